@@ -1,0 +1,4 @@
+from mmgrpo.cli import main
+import sys
+
+sys.exit(main())

@@ -1,0 +1,67 @@
+"""Benchmark suites: ``mmgrpo bench NAME --out FILE.json``.
+
+A suite is a function registered in :data:`BENCHES` that returns ``(rows, figures)``. The machine is shared and
+noisy, so suites report ratios measured within one run, time each case several times and keep the median, and
+fix the thread count, which :func:`machine_info` records in the output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from mmgrpo.registry import Registry
+
+BENCHES = Registry("benchmark", builtin_modules=("mmgrpo.pipelines",))
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_bench(name: str, out: str | None, threads: int | None = None) -> dict[str, Any]:
+    """Run suite ``name`` with a fixed thread count, print its table, and write the JSON contract
+    ``{"bench", "machine", "rows", "figures"}`` to ``out`` when given."""
+    from rich.console import Console
+    from rich.table import Table
+
+    torch.set_num_threads(threads or torch.get_num_threads())
+    rows, figures = BENCHES.get(name)()
+    result = {"bench": name, "machine": machine_info(), "rows": rows, "figures": figures}
+    table = Table(title=f"mmgrpo bench {name} ({result['machine']['torch_threads']} threads)")
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    for col in columns:
+        table.add_column(col)
+    for r in rows:
+        table.add_row(*(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in columns))
+    console = Console(width=160)
+    console.print(table)
+    for key, value in figures.items():
+        console.print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=2))
+        console.print(f"wrote {out}")
+    return result

@@ -1,0 +1,315 @@
+"""Typed run configuration: OmegaConf structured configs, YAML presets with ``base:`` inheritance, dotted overrides.
+
+Every field is documented where it is defined. A preset names its pipeline (``pipeline: flow``); the pipeline's
+registered config class (a subclass of :class:`BaseConfig`) is the schema the YAML is checked against, so an unknown
+key or a wrong type is caught before anything runs and reported as one line that names the key::
+
+    config error: unknown key 'train.max_step' (closest valid key: 'train.max_steps')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A bad configuration. ``str()`` is the one-line message the CLI prints before exiting with code 2."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = 1e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value before each optimiser step; 0 disables clipping."""
+    lr_scheduler: str = "constant_with_warmup"
+    """A transformers scheduler name: constant, constant_with_warmup, linear, cosine, ..."""
+    warmup_steps: int = 0
+    """Optimiser steps of linear warm-up."""
+
+
+@dataclass
+class GRPOConfig:
+    """Advantages, policy loss and KL: the algorithm, independent of the model."""
+
+    advantage: str = "group_zscore"
+    """Advantage estimator (registry ``ADVANTAGES``): group_zscore, group_mean (Dr. GRPO), group_mean_batch_std
+    (Flow-GRPO: per-group mean, std over the whole gathered batch), rloo (leave-one-out), or ``module:attr``."""
+    adv_eps: float = 1e-6
+    """Added to the std in the denominator of the normalising estimators. Flow-GRPO uses 1e-4."""
+    adv_clip: float = 0.0
+    """Clamp advantages to [-adv_clip, adv_clip]; 0 disables. Flow-GRPO uses 5."""
+    mask_zero_std_groups: bool = False
+    """Dynamic sampling: groups whose rewards all agree carry no signal and are left out of the loss."""
+    loss: str = "ppo_clip"
+    """Policy loss (registry ``POLICY_LOSSES``): ppo_clip (clipped surrogate) or reinforce (unclipped ratio * A)."""
+    clip_eps: float = 0.2
+    """Lower clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]. Flow-GRPO uses 1e-4."""
+    clip_eps_high: Optional[float] = None
+    """Upper clip range (clip-higher, DAPO uses 0.28); None means the same as clip_eps (symmetric)."""
+    ratio_level: str = "token"
+    """Importance ratio per unit ('token') or one per sequence, the geometric mean over its units ('sequence',
+    GSPO). A unit is a token for the VLM pipeline and a denoising step for the flow pipeline."""
+    loss_aggregation: str = "token-mean"
+    """token-mean (DAPO), seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO, constant denominator)."""
+    kl_beta: float = 0.0
+    """Weight of the KL penalty to the reference policy; 0 skips the reference forward entirely."""
+    kl_estimator: str = "k3"
+    """KL estimator from log-probs: k1, k2 or k3 (low-variance). The flow pipeline uses its closed form instead."""
+
+
+@dataclass
+class TrainConfig:
+    """The loop: how many samples, how they are split, how often weights change."""
+
+    max_steps: int = 100
+    """Optimiser steps to run in total (each rollout gives num_inner_epochs * updates_per_rollout of them)."""
+    prompts_per_step: int = 8
+    """Prompts per rollout, summed over all processes. Must divide evenly by the number of processes."""
+    group_size: int = 8
+    """G: samples per prompt. A group is always sampled, scored and normalised on one process, whole."""
+    micro_batch_size: int = 8
+    """Samples per training forward/backward on one process. Rollouts are chunked the same way."""
+    updates_per_rollout: int = 1
+    """Optimiser steps per pass over a rollout: the micro-batches are split into this many gradient-accumulation
+    groups."""
+    num_inner_epochs: int = 1
+    """K: passes over each rollout (TRL's num_iterations). Each pass after the first is off-policy."""
+    mixed_precision: str = "no"
+    """accelerate mixed precision for model forwards: no, fp16 or bf16. Log-prob math always runs in fp32."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the trainable weights with this decay (0 disables). The EMA weights
+    are saved next to the raw ones and used by eval and sample."""
+    save_every: int = 50
+    """Save a checkpoint every this many optimiser steps (and always at the end); 0 saves only at the end."""
+    keep_last: int = 2
+    """Checkpoints to keep; older ones are deleted after a new one is complete. 0 keeps all."""
+    eval_every: int = 0
+    """Evaluate on the held-out split every this many optimiser steps; 0 disables in-loop evaluation."""
+
+
+@dataclass
+class RewardSpec:
+    """One reward in the mix."""
+
+    name: str = "???"
+    """Registered reward name or ``package.module:attr``."""
+    weight: float = 1.0
+    """Weight of this reward in the combination."""
+    args: Dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the reward's constructor."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go. metrics.jsonl is always written."""
+
+    progress: bool = True
+    """Show a tqdm progress bar with reward and step time."""
+    tensorboard: bool = True
+    """Also write tensorboard event files to output_dir/tb when tensorboard is installed."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the ``wandb`` extra)."""
+    wandb_project: str = "mmgrpo"
+    """W&B project name."""
+    plot_every: int = 10
+    """Redraw the PNG metric curves in output_dir/plots every this many optimiser steps."""
+
+
+@dataclass
+class BaseConfig:
+    """Keys every preset has. Pipelines subclass this and add their model, rollout and data sections."""
+
+    pipeline: str = "???"
+    """Which pipeline (registry ``PIPELINES``) builds the policy and data: flow, vlm, or a registered one."""
+    output_dir: str = "runs/default"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, plots/."""
+    seed: int = 0
+    """Seed for every random generator; each process adds its rank."""
+    resume: Optional[str] = None
+    """'latest' resumes from the newest complete checkpoint in output_dir (and starts fresh if there is none);
+    a path resumes from that checkpoint folder."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rewards: List[RewardSpec] = field(default_factory=list)
+    """The rewards and their weights. See ``mmgrpo rewards`` for the registered names."""
+    reward_aggregation: str = "weighted_sum"
+    """weighted_sum: add the weighted raw rewards, then compute advantages. gdpo: normalise each reward within its
+    group first, then add the weighted results (keeps distinct reward combinations apart)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "grpo.ratio_level": ("token", "sequence"),
+    "grpo.loss_aggregation": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "grpo.kl_estimator": ("k1", "k2", "k3"),
+    "train.mixed_precision": ("no", "fp16", "bf16"),
+    "reward_aggregation": ("weighted_sum", "gdpo"),
+}
+"""String fields with a closed set of values, checked after loading (registry-backed fields are checked on use)."""
+
+
+def valid_keys(schema: type, prefix: str = "") -> dict[str, bool]:
+    """All dotted keys of a config dataclass -> whether the key is an open dict (any sub-key allowed below it)."""
+    keys: dict[str, bool] = {}
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        origin = typing.get_origin(tp)
+        if dataclasses.is_dataclass(tp):
+            keys[key] = False
+            keys.update(valid_keys(tp, key + "."))
+        else:
+            keys[key] = origin in (dict, Dict) or tp is Any
+    return keys
+
+
+def _closest(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
+    return f" (closest valid key: '{close[0]}')" if close else ""
+
+
+def check_key(key: str, schema: type) -> None:
+    """Raise ConfigError when the dotted ``key`` is not in ``schema`` (keys below open dicts and list indices pass)."""
+    keys = valid_keys(schema)
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        head = ".".join(parts[:i])
+        if head in keys:
+            if i == len(parts) or keys[head] or parts[i].isdigit():
+                return
+            break
+    raise ConfigError(f"unknown key '{key}'{_closest(key, list(keys))}")
+
+
+def read_preset(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a YAML preset and merge its ``base:`` chain (a path or list of paths, relative to the file).
+
+    Bases merge in order, then the file itself; nested mappings merge key by key and lists are replaced."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"cannot parse {path}: {' '.join(str(err).split())}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of config keys, not {type(data).__name__}")
+    bases = data.pop("base", None) or []
+    merged = OmegaConf.create()
+    for base in [bases] if isinstance(bases, str) else bases:
+        merged = OmegaConf.merge(merged, read_preset(path.parent / base))
+    return OmegaConf.to_container(OmegaConf.merge(merged, data))
+
+
+def _omegaconf_message(err: OmegaConfBaseException, schema: type) -> str:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None) or ""
+    text = " ".join(str(err).split("\n")[0].split())
+    if type(err).__name__ == "ConfigKeyError" and key:
+        return f"unknown key '{key}'{_closest(str(key), list(valid_keys(schema)))}"
+    if key:
+        return f"bad value for '{key}': {text}"
+    return text
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), schema: type | None = None) -> Any:
+    """Build the typed config object from a preset file and ``dotted.key=value`` overrides.
+
+    ``schema`` defaults to the config class of the pipeline the preset names. Returns an instance of it."""
+    raw = read_preset(path) if path is not None else {}
+    pairs = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
+        pairs.append((key.strip(), value))
+    if schema is None:
+        pipeline = next((v for k, v in pairs if k == "pipeline"), raw.get("pipeline"))
+        if not pipeline:
+            raise ConfigError("no 'pipeline' key: the preset must say which pipeline it configures")
+        from mmgrpo.registry import PIPELINES, RegistryError
+
+        try:
+            schema = PIPELINES.get(str(pipeline)).config_class
+        except RegistryError as err:
+            raise ConfigError(f"bad value for 'pipeline': {err}") from err
+    for key, _ in pairs:
+        check_key(key, schema)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(schema), raw)
+        if pairs:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs]))
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if missing:
+            raise ConfigError(f"missing required key '{missing[0]}'")
+        obj = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_omegaconf_message(err, schema)) from err
+    validate(obj)
+    return obj
+
+
+def get_key(cfg: Any, key: str) -> Any:
+    """Read a dotted key from a config object."""
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: BaseConfig) -> None:
+    """Value checks that a type cannot express. Raises ConfigError naming the key."""
+    for key, allowed in CHOICES.items():
+        value = get_key(cfg, key)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.0)
+            raise ConfigError(f"bad value '{value}' for '{key}': expected one of {', '.join(allowed)}"
+                              + (f" (closest: '{close[0]}')" if close else ""))
+    positive = ["train.max_steps", "train.prompts_per_step", "train.group_size", "train.micro_batch_size",
+                "train.updates_per_rollout", "train.num_inner_epochs"]
+    for key in positive:
+        if get_key(cfg, key) < 1:
+            raise ConfigError(f"bad value for '{key}': must be >= 1, got {get_key(cfg, key)}")
+    if not 0.0 <= cfg.train.ema_decay < 1.0:
+        raise ConfigError(f"bad value for 'train.ema_decay': must be in [0, 1), got {cfg.train.ema_decay}")
+    if cfg.grpo.clip_eps <= 0 or (cfg.grpo.clip_eps_high is not None and cfg.grpo.clip_eps_high <= 0):
+        raise ConfigError("bad value for 'grpo.clip_eps': clip ranges must be > 0")
+    for i, spec in enumerate(cfg.rewards):
+        if spec.name in ("", "???"):
+            raise ConfigError(f"missing required key 'rewards.{i}.name'")
+    if hasattr(cfg, "validate") and callable(cfg.validate):
+        cfg.validate()
+
+
+def to_yaml(cfg: Any) -> str:
+    """The resolved config as YAML (what ``config.yaml`` in the run directory holds)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+__all__ = [
+    "BaseConfig", "ConfigError", "GRPOConfig", "LoggingConfig", "OptimConfig", "RewardSpec", "TrainConfig",
+    "load_config", "read_preset", "to_yaml", "to_dict", "DictConfig", "ListConfig",
+]

@@ -1,0 +1,43 @@
+"""Pure tensor GRPO math: advantage estimators, policy losses, KL estimators, loss aggregation and diagnostics."""
+
+from .advantages import (
+    clip_advantages,
+    combine_rewards,
+    group_mean,
+    group_mean_batch_std,
+    group_stats,
+    group_zscore,
+    rloo,
+    weighted_reward,
+    zero_std_groups,
+)
+from .diagnostics import advantage_stats, masked_mean, ratio_stats
+from .losses import (
+    aggregation_weights,
+    gaussian_mean_kl,
+    importance_ratio,
+    kl_estimate,
+    ppo_clip_loss,
+    reinforce_loss,
+)
+
+__all__ = [
+    "advantage_stats",
+    "aggregation_weights",
+    "clip_advantages",
+    "combine_rewards",
+    "gaussian_mean_kl",
+    "group_mean",
+    "group_mean_batch_std",
+    "group_stats",
+    "group_zscore",
+    "importance_ratio",
+    "kl_estimate",
+    "masked_mean",
+    "ppo_clip_loss",
+    "ratio_stats",
+    "reinforce_loss",
+    "rloo",
+    "weighted_reward",
+    "zero_std_groups",
+]

@@ -1,0 +1,147 @@
+"""The small interface between the trainer and a pipeline.
+
+A pipeline (flow, vlm, or the toy bandit in the tests) implements :class:`Policy`. The trainer never looks inside a
+rollout: it asks the policy for samples to score, for log-probs of chosen units under grad, and for the KL to the
+reference. A *unit* is whatever one log-prob belongs to: a denoising step (flow) or a completion token (vlm).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Rollout:
+    """What one rollout produced on this process. N samples = local prompts x G, U units per sample.
+
+    - ``group``: (N,) int64 global group ids; the G samples of a prompt share one id.
+    - ``old_logp``: (N, U) fp32 log-probs of the units at sampling time, computed with the same forward path and
+      micro-batch chunking that training uses (so the first ratio is exactly 1).
+    - ``mask``: (N, U) bool, the units that are trained.
+    - ``unit_weight``: (N, U) fp32 per-unit loss weights (timestep weighting); ones when unused.
+    - ``reward_batch``: the batch the reward zoo scores (``mmgrpo.rewards.RewardBatch``).
+    - ``data``: pipeline tensors needed to recompute log-probs (latents, noise, token ids, ...).
+    - ``counters``: numbers to log for this rollout, e.g. ``nfe/rollout`` or ``tokens/completion``.
+    - ``sample_mask``: (N,) bool, samples that may be trained at all (False for a failed decode, etc.).
+    """
+
+    group: torch.Tensor
+    old_logp: torch.Tensor
+    mask: torch.Tensor
+    reward_batch: Any
+    data: dict[str, Any] = field(default_factory=dict)
+    unit_weight: torch.Tensor | None = None
+    counters: dict[str, float] = field(default_factory=dict)
+    sample_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n, u = self.old_logp.shape
+        if self.group.shape != (n,) or self.mask.shape != (n, u):
+            raise ValueError(f"rollout shapes disagree: group {tuple(self.group.shape)}, old_logp {(n, u)}, "
+                             f"mask {tuple(self.mask.shape)}")
+        if self.unit_weight is None:
+            self.unit_weight = torch.ones_like(self.old_logp)
+        if self.sample_mask is None:
+            self.sample_mask = torch.ones(n, dtype=torch.bool, device=self.old_logp.device)
+
+    def __len__(self) -> int:
+        return self.old_logp.shape[0]
+
+
+@dataclass
+class LogProbs:
+    """Log-probs recomputed under grad for ``rows`` x ``units`` of a rollout.
+
+    - ``logp``: (n, u) fp32.
+    - ``kl``: (n, u) fp32 per-unit KL to the reference, or None when it was not asked for.
+    """
+
+    logp: torch.Tensor
+    kl: torch.Tensor | None = None
+
+
+class Policy(ABC):
+    """What the trainer needs from a pipeline.
+
+    ``model`` is the trainable ``nn.Module``; the trainer wraps it with ``accelerator.prepare`` and assigns the
+    wrapped module back, so ``log_probs`` must call ``self.model`` (never a cached unwrapped reference) for gradients
+    to synchronise across processes.
+    """
+
+    model: nn.Module
+
+    def setup(self, accelerator: Any) -> None:
+        """Called once before training, after ``model`` is prepared. Move frozen parts to the device here."""
+        self.accelerator = accelerator
+
+    @abstractmethod
+    def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:
+        """Sample ``group_size`` outputs for each item. ``group_ids[i]`` is item i's global group id."""
+
+    @abstractmethod
+    def log_probs(self, rollout: Rollout, rows: torch.Tensor, units: torch.Tensor | None,
+                  with_kl: bool) -> LogProbs:
+        """Recompute log-probs of ``rollout`` rows (n,) at ``units`` (u,) (None: all units) under grad, in fp32."""
+
+    def unit_chunks(self, rollout: Rollout) -> list[torch.Tensor | None]:
+        """How the units of a micro-batch are split into separate backward passes. ``[None]`` (the default) is one
+        backward over all units; the flow pipeline returns one chunk per trained step to bound activation memory."""
+        return [None]
+
+    def unit_advantages(self, rollout: Rollout, advantages: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+        """(N, U) advantages per unit from the (N,) per-sample advantages and combined rewards of this process.
+
+        The default gives every unit its sample's advantage. A tree rollout (BranchGRPO) overrides this to give
+        each node's transitions the advantage of that node."""
+        return advantages[:, None].to(rollout.old_logp.device).expand_as(rollout.old_logp)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write the trainable weights in their user-facing format (PEFT adapter or full model, safetensors)."""
+
+    @abstractmethod
+    def load(self, directory: Path) -> None:
+        """Load weights written by :meth:`save` into ``model`` in place."""
+
+    @abstractmethod
+    def datasets(self) -> tuple[list[dict], list[dict]]:
+        """(train items, held-out items). Each item is a dict with at least ``prompt``."""
+
+    @abstractmethod
+    def generate(self, items: list[dict]) -> Any:
+        """One sample per item (with the eval sampler settings), as a reward batch, for eval and ``sample``."""
+
+    def save_samples(self, batch: Any, directory: Path, tag: str) -> list[Path]:
+        """Write a batch of samples for people to look at (image grids, videos, text). Returns the files."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{tag}.txt"
+        lines = [f"{p}\t{c}" for p, c in zip(batch.prompts, batch.completions or [""] * len(batch))]
+        path.write_text("\n".join(lines) + "\n")
+        return [path]
+
+
+@dataclass
+class PipelineSpec:
+    """What a pipeline registers in ``mmgrpo.registry.PIPELINES``: its config schema and its policy factory."""
+
+    config_class: type
+    """A dataclass subclassing :class:`mmgrpo.config.BaseConfig`."""
+    build: Callable[[Any], Policy]
+    """``build(cfg) -> Policy``."""
+    description: str = ""
+
+
+def build_policy(cfg: Any) -> Policy:
+    """The policy for ``cfg.pipeline`` (a registered name or ``module:attr`` naming a PipelineSpec)."""
+    from mmgrpo.registry import PIPELINES
+
+    return PIPELINES.get(cfg.pipeline).build(cfg)

@@ -1,0 +1,124 @@
+"""Metrics: metrics.jsonl always, tensorboard when installed, wandb on request, PNG curves and a summary table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+HEADLINE = ("reward/mean", "loss", "kl", "ratio/mean", "ratio/onpolicy_max_dev", "clip_frac", "time/step_s")
+"""Metrics that get a PNG curve and a row in the end-of-run summary (plus every reward/<name>/mean)."""
+
+
+def headline_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """The headline metrics present in ``rows``, then every reward and eval metric, in a stable order."""
+    keys = [k for k in HEADLINE if any(k in r for r in rows)]
+    return keys + sorted({k for r in rows for k in r if k.startswith(("reward/", "eval/")) and k not in keys})
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a metrics.jsonl file. A torn last line (a killed run) is ignored."""
+    rows = []
+    path = Path(path)
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class MetricsLog:
+    """Writes one JSON object per optimiser step. Only the main process should create one."""
+
+    def __init__(self, run_dir: Path, config: dict[str, Any], tensorboard: bool, wandb: bool,
+                 wandb_project: str, resume_step: int | None):
+        self.run_dir = run_dir
+        self.path = run_dir / "metrics.jsonl"
+        if resume_step is not None:
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
+        else:
+            kept = []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.file = self.path.open("a")
+        self.tb = None
+        if tensorboard and importlib.util.find_spec("tensorboard") is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        self.wandb = None
+        if wandb:
+            import wandb as wandb_module
+
+            self.wandb = wandb_module.init(project=wandb_project, dir=str(run_dir), config=config,
+                                           resume="allow")
+
+    def log(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        self.file.write(json.dumps(clean) + "\n")
+        self.file.flush()
+        step = row["step"]
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def plot_metrics(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Draw one PNG per headline metric (and per reward) against the step. Returns the files written."""
+    if not rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keys = headline_keys(rows)
+    written = []
+    for key in keys:
+        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        if not points:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+        ax.plot(*zip(*points), marker="." if len(points) < 50 else None)
+        ax.set_xlabel("optimiser step")
+        ax.set_title(key)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = out_dir / (key.replace("/", "_") + ".png")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def summary_table(rows: list[dict[str, Any]], title: str) -> Any:
+    """A rich Table of the headline metrics: first, last, min and max over the run."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("metric", "first", "last", "min", "max"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    keys = headline_keys(rows)
+    for key in keys:
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if values:
+            table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))
+    return table

@@ -1,0 +1,329 @@
+"""The one GRPO loop for every pipeline.
+
+Per iteration: sample prompts (whole groups per process) -> ``policy.rollout`` -> reward zoo -> gather rewards from
+all processes -> advantages on whole groups -> K inner epochs of mini-batch updates -> log -> checkpoint.
+Everything model-specific is behind :class:`mmgrpo.policy.Policy`; everything mathematical is in :mod:`mmgrpo.grpo`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from mmgrpo import checkpoint
+from mmgrpo.config import BaseConfig, to_dict, to_yaml
+from mmgrpo.data import GroupSampler
+from mmgrpo.ema import EMA
+from mmgrpo.grpo import (
+    advantage_stats,
+    aggregation_weights,
+    clip_advantages,
+    combine_rewards,
+    kl_estimate,
+    ratio_stats,
+    weighted_reward,
+    zero_std_groups,
+)
+from mmgrpo.policy import Policy, Rollout, build_policy
+from mmgrpo.registry import POLICY_LOSSES
+from mmgrpo.rewards import RewardZoo
+from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
+
+
+def make_accelerator(cfg: BaseConfig) -> Accelerator:
+    """An Accelerator for this run. On a machine without CUDA it runs on CPU (gloo for several processes).
+
+    The LR scheduler is stepped exactly once per optimiser step whatever the process count."""
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.mixed_precision,
+                       step_scheduler_with_optimizer=False)
+
+
+class Trainer:
+    """Runs ``cfg.train.max_steps`` optimiser steps of GRPO on ``policy``. See the module docstring."""
+
+    def __init__(self, cfg: BaseConfig, policy: Policy | None = None, accelerator: Accelerator | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.output_dir)
+        self.accelerator = accelerator or make_accelerator(cfg)
+        acc = self.accelerator
+        set_seed(cfg.seed, device_specific=True)
+        self.policy = policy if policy is not None else build_policy(cfg)
+        self.rewards = RewardZoo(cfg.rewards)
+        self.loss_fn = POLICY_LOSSES.get(cfg.grpo.loss)
+        named = [(n, p) for n, p in self.policy.model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the policy has no trainable parameters")
+        o = cfg.optim
+        optimizer = torch.optim.AdamW([p for _, p in named], lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                      weight_decay=o.weight_decay)
+        scheduler = get_scheduler(o.lr_scheduler, optimizer, num_warmup_steps=o.warmup_steps,
+                                  num_training_steps=cfg.train.max_steps)
+        self.policy.model, self.optimizer, self.scheduler = acc.prepare(self.policy.model, optimizer, scheduler)
+        self.policy.setup(acc)
+        self.ema = EMA(named, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        acc.register_save_state_pre_hook(self._save_hook)
+        acc.register_load_state_pre_hook(self._load_hook)
+
+        self.train_items, self.eval_items = self.policy.datasets()
+        self.sampler = GroupSampler(len(self.train_items), cfg.train.prompts_per_step, acc.num_processes,
+                                    acc.process_index, cfg.seed)
+        self.step = 0
+        self.iteration = 0
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
+        """Save the policy in its user-facing format instead of accelerate's full model dump (a LoRA run saves the
+        adapter, not the frozen base), plus the EMA shadows."""
+        if self.accelerator.is_main_process:
+            self.policy.save(Path(output_dir) / "policy")
+            if self.ema is not None:
+                save_file(self.ema.state_dict(), str(Path(output_dir) / "ema.safetensors"))
+        weights.clear()
+
+    def _load_hook(self, models: list, input_dir: str) -> None:
+        self.policy.load(Path(input_dir) / "policy")
+        if self.ema is not None:
+            self.ema.load_state_dict(load_file(str(Path(input_dir) / "ema.safetensors")))
+        models.clear()
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step-N`` atomically: everything goes to a temporary folder that is renamed last."""
+        acc = self.accelerator
+        tmp = checkpoint.temporary_dir(self.run_dir, self.step)
+        if acc.is_main_process:
+            tmp.mkdir(parents=True, exist_ok=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp), safe_serialization=True)
+        acc.wait_for_everyone()
+        final = tmp.parent / f"step-{self.step}"
+        if acc.is_main_process:
+            state = {"step": self.step, "iteration": self.iteration, "sampler": self.sampler.state_dict(),
+                     "num_processes": acc.num_processes}
+            final = checkpoint.finalize(tmp, state)
+            checkpoint.prune(self.run_dir, self.cfg.train.keep_last)
+        acc.wait_for_everyone()
+        return final
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = checkpoint.read_state(path)
+        if state["num_processes"] != self.accelerator.num_processes:
+            raise ValueError(f"checkpoint {path} was written by {state['num_processes']} processes; this run has "
+                             f"{self.accelerator.num_processes} (RNG streams would not line up)")
+        self.accelerator.load_state(str(path))
+        self.step, self.iteration = state["step"], state["iteration"]
+        self.sampler.load_state_dict(state["sampler"])
+
+    # ----------------------------------------------------------------------------------------- one iteration
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
+
+    def compute_advantages(self, rollout: Rollout, main: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Gather the (B, R) raw rewards and group ids of all processes, compute advantages on whole groups, and
+        return this process's (N, U) unit advantages plus statistics. Groups never straddle processes, but global
+        statistics (batch std, logging) need everyone's rewards."""
+        g = self.cfg.grpo
+        all_main = self._gather(main)
+        all_group = self._gather(rollout.group)
+        weights = self.rewards.weights
+        adv = combine_rewards(all_main, weights, all_group, self.cfg.reward_aggregation, g.advantage, g.adv_eps)
+        adv = clip_advantages(adv, g.adv_clip)
+        combined = weighted_reward(all_main, weights)
+        stats = advantage_stats(adv, combined, all_group)
+        keep = torch.ones_like(adv, dtype=torch.bool)
+        if g.mask_zero_std_groups:
+            keep = ~zero_std_groups(combined, all_group)
+        n = len(rollout)
+        lo = self.accelerator.process_index * n
+        local_adv, local_keep = adv[lo:lo + n], keep[lo:lo + n]
+        rollout.sample_mask = rollout.sample_mask & local_keep.to(rollout.sample_mask.device)
+        unit_adv = self.policy.unit_advantages(rollout, local_adv, combined[lo:lo + n])
+        return unit_adv.float(), stats
+
+    def _micro_batches(self, n: int, generator: torch.Generator) -> list[list[torch.Tensor]]:
+        """Split the n local rows into updates_per_rollout updates of micro-batches (a fresh shuffle per epoch)."""
+        t = self.cfg.train
+        order = torch.randperm(n, generator=generator)
+        micro = list(order.split(t.micro_batch_size))
+        per_update = math.ceil(len(micro) / t.updates_per_rollout)
+        return [micro[i:i + per_update] for i in range(0, len(micro), per_update)]
+
+    def train_on_rollout(self, rollout: Rollout, unit_adv: torch.Tensor, on_step: Any) -> None:
+        """K inner epochs over ``rollout``; one optimiser step per update; ``on_step(metrics)`` after each."""
+        cfg, acc, g = self.cfg, self.accelerator, self.cfg.grpo
+        device = rollout.old_logp.device
+        unit_adv = unit_adv.to(device)
+        mask = rollout.mask & rollout.sample_mask[:, None]
+        gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.iteration)
+        chunks = self.policy.unit_chunks(rollout)
+        if g.ratio_level == "sequence" and len(chunks) > 1:
+            raise ValueError("grpo.ratio_level=sequence needs all units of a sample in one backward pass; this "
+                             "policy splits them into chunks")
+        onpolicy_dev = None
+        for epoch in range(cfg.train.num_inner_epochs):
+            updates = self._micro_batches(len(rollout), gen)
+            for micro_batches in updates:
+                rows_all = torch.cat(micro_batches)
+                weights_all = aggregation_weights(mask[rows_all], g.loss_aggregation) * rollout.unit_weight[rows_all]
+                sums = {"loss": 0.0, "kl": 0.0, "units": 0.0}
+                ratios, masks, clips = [], [], []
+                offset = 0
+                for b, rows in enumerate(micro_batches):
+                    w_rows = weights_all[offset:offset + len(rows)]
+                    offset += len(rows)
+                    for c, units in enumerate(chunks):
+                        cols = slice(None) if units is None else units
+                        w, m = w_rows[:, cols], mask[rows][:, cols]
+                        old, adv = rollout.old_logp[rows][:, cols], unit_adv[rows][:, cols]
+                        last_pass = b == len(micro_batches) - 1 and c == len(chunks) - 1
+                        with acc.autocast(), (nullcontext() if last_pass else acc.no_sync(self.policy.model)):
+                            out = self.policy.log_probs(rollout, rows, units, with_kl=g.kl_beta > 0)
+                            unit_loss, ratio, clipped = self.loss_fn(
+                                logp=out.logp.float(), old_logp=old, advantages=adv, mask=m, clip_low=g.clip_eps,
+                                clip_high=g.clip_eps_high, level=g.ratio_level)
+                            if g.kl_beta > 0:
+                                if out.kl is None:
+                                    raise ValueError("grpo.kl_beta > 0 but the policy returned no KL")
+                                unit_loss = unit_loss + g.kl_beta * out.kl.float()
+                                sums["kl"] += (out.kl.detach().float() * m).sum().item()
+                            loss = (w * unit_loss).sum()
+                            acc.backward(loss)
+                        sums["loss"] += loss.item()
+                        sums["units"] += m.sum().item()
+                        ratios.append(ratio.detach().flatten())
+                        masks.append(m.flatten())
+                        clips.append(clipped.flatten())
+                    if onpolicy_dev is None:  # the first micro-batch of the iteration, before any update
+                        first = torch.cat(ratios)[torch.cat(masks)]
+                        onpolicy_dev = (first - 1).abs().max().item() if first.numel() else 0.0
+                grad_norm = None
+                if cfg.optim.max_grad_norm > 0:
+                    grad_norm = acc.clip_grad_norm_(self.policy.trainable_parameters(), cfg.optim.max_grad_norm)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.ema is not None:
+                    self.ema.update()
+                self.step += 1
+                metrics = ratio_stats(torch.cat(ratios), torch.cat(masks), torch.cat(clips))
+                metrics.update({
+                    "loss": sums["loss"],
+                    "kl": sums["kl"] / max(sums["units"], 1.0),
+                    "ratio/onpolicy_max_dev": onpolicy_dev,
+                    "lr": self.scheduler.get_last_lr()[0],
+                    "inner_epoch": epoch,
+                })
+                if grad_norm is not None:
+                    metrics["grad_norm"] = float(grad_norm)
+                on_step(metrics)
+                if self.step >= cfg.train.max_steps:
+                    return
+
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Average scalar metrics over processes (max for the *max_dev keys)."""
+        if self.accelerator.num_processes == 1:
+            return metrics
+        keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        gathered = self._gather(values[None]).reshape(-1, len(keys))
+        out = dict(metrics)
+        for i, k in enumerate(keys):
+            out[k] = gathered[:, i].max().item() if "max_dev" in k else gathered[:, i].mean().item()
+        return out
+
+    # ----------------------------------------------------------------------------------------- the loop
+    def train(self) -> list[dict[str, Any]]:
+        """Run to ``train.max_steps``; returns the metric rows of this run (main process; empty elsewhere)."""
+        cfg, acc = self.cfg, self.accelerator
+        resume_from = checkpoint.resolve_resume(cfg.resume, self.run_dir)
+        if acc.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        acc.wait_for_everyone()
+        if resume_from is not None:
+            self.load_checkpoint(resume_from)
+            acc.print(f"resumed from {resume_from} at step {self.step}")
+        log = None
+        if acc.is_main_process:
+            log = MetricsLog(self.run_dir, to_dict(cfg), cfg.logging.tensorboard, cfg.logging.wandb,
+                             cfg.logging.wandb_project, resume_step=self.step if resume_from else None)
+        bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (cfg.logging.progress and acc.is_main_process))
+        last_saved = self.step if resume_from else None
+        try:
+            while self.step < cfg.train.max_steps:
+                t0 = time.perf_counter()
+                items_idx, group_ids = self.sampler.next()
+                items = [self.train_items[i] for i in items_idx]
+                with torch.no_grad(), acc.autocast():
+                    rollout = self.policy.rollout(items, group_ids, cfg.train.group_size)
+                t1 = time.perf_counter()
+                main, logged, _ = self.rewards(rollout.reward_batch)
+                t2 = time.perf_counter()
+                unit_adv, adv_stats = self.compute_advantages(rollout, main)
+                iteration_metrics = self._reward_metrics(main, logged)
+                iteration_metrics.update(adv_stats)
+                iteration_metrics.update(rollout.counters)
+                iteration_metrics.update({"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1})
+                rows: list[dict[str, float]] = []
+                self.train_on_rollout(rollout, unit_adv, rows.append)
+                t3 = time.perf_counter()
+                self.iteration += 1
+                for i, row in enumerate(rows):
+                    row.update(iteration_metrics)
+                    row.update({"time/train_s": (t3 - t2) / len(rows), "time/step_s": (t3 - t0) / len(rows),
+                                "iteration": self.iteration})
+                    rows[i] = self.reduce_metrics(row)
+                self._emit(rows, log, bar)
+                every = cfg.train.save_every
+                if every and self.step // every != (self.step - len(rows)) // every:
+                    self.save_checkpoint()
+                    last_saved = self.step
+        finally:
+            bar.close()
+        if last_saved != self.step:
+            self.save_checkpoint()
+        history = []
+        if acc.is_main_process:
+            log.close()
+            history = read_metrics(self.run_dir / "metrics.jsonl")
+            plot_metrics(history, self.run_dir / "plots")
+        return history
+
+    def _reward_metrics(self, main: torch.Tensor, logged: dict[str, torch.Tensor]) -> dict[str, float]:
+        """reward/mean (the weighted combination) and reward/<name>/mean for every reward and sub-score."""
+        out = {"reward/mean": weighted_reward(main, self.rewards.weights).nanmean().item()}
+        for name, scores in logged.items():
+            out[f"reward/{name}/mean"] = scores.nanmean().item()
+            nan = scores.isnan().float().mean().item()
+            if nan:
+                out[f"reward/{name}/nan_frac"] = nan
+        return out
+
+    def _emit(self, rows: list[dict[str, float]], log: MetricsLog | None, bar: tqdm) -> None:
+        first = self.step - len(rows) + 1
+        for i, row in enumerate(rows):
+            row["step"] = first + i
+            if log is not None:
+                log.log(row)
+        if rows:
+            last = rows[-1]
+            bar.update(len(rows))
+            bar.set_postfix(reward=f"{last['reward/mean']:.4g}", step_s=f"{last['time/step_s']:.2f}")
+            if log is not None and self.cfg.logging.plot_every and self.step % self.cfg.logging.plot_every == 0:
+                plot_metrics(read_metrics(log.path), self.run_dir / "plots")
+
+    def print_summary(self, history: list[dict[str, Any]]) -> None:
+        if self.accelerator.is_main_process and history:
+            from rich.console import Console
+
+            Console().print(summary_table(history, f"mmgrpo run {self.run_dir}"))

@@ -1,0 +1,13 @@
+"""The reward zoo: one interface for every reward. See :mod:`mmgrpo.rewards.base`."""
+
+from .base import GROUPWISE, POINTWISE, FunctionReward, Reward, RewardBatch, trl_reward
+from .checks import as_rgb_images, as_rgb_videos, completions_or_raise
+from .image_rules import ColorFraction, JpegCompressibility, JpegIncompressibility, Sharpness
+from .text_rules import AccuracyReward, FormatReward, LengthReward, TemporalIoU
+from .winrate import WinRate, pairwise_win_rate
+from .zoo import RewardZoo, build_reward
+
+__all__ = ["GROUPWISE", "POINTWISE", "AccuracyReward", "ColorFraction", "FormatReward", "FunctionReward",
+           "JpegCompressibility", "JpegIncompressibility", "LengthReward", "Reward", "RewardBatch", "RewardZoo",
+           "Sharpness", "TemporalIoU", "WinRate", "as_rgb_images", "as_rgb_videos", "build_reward",
+           "completions_or_raise", "pairwise_win_rate", "trl_reward"]

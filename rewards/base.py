@@ -1,0 +1,143 @@
+"""The reward interface: a batch in, one float per sample (or named sub-scores) out. NaN means "does not apply".
+
+Three ways to write a reward, all accepted wherever a reward is named:
+
+- a :class:`Reward` subclass, registered with ``@REWARDS.register(name, kind=..., modality=...)``;
+- a plain function ``fn(batch: RewardBatch) -> list[float] | Tensor | dict[str, ...]``;
+- a TRL-style function ``fn(prompts, completions, **kwargs) -> list[float]``, wrapped by :func:`trl_reward`
+  (the per-sample ``meta`` fields arrive as keyword lists, as TRL passes dataset columns).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+POINTWISE = "pointwise"
+GROUPWISE = "groupwise"
+
+
+@dataclass
+class RewardBatch:
+    """What a reward sees. B samples; only the fields the pipeline produces are set.
+
+    - ``prompts``: B prompt strings.
+    - ``group``: (B,) int64 group ids; the samples of one prompt share an id and are always all present.
+    - ``images``: (B, 3, H, W) float in [0, 1], or None.
+    - ``videos``: (B, T, 3, H, W) float in [0, 1], or None.
+    - ``completions``: B generated texts, or None.
+    - ``meta``: B dicts of per-sample inputs and ground truth (``solution``, ``problem_type``, input ``frames``...).
+    """
+
+    prompts: list[str]
+    group: torch.Tensor
+    images: torch.Tensor | None = None
+    videos: torch.Tensor | None = None
+    completions: list[str] | None = None
+    meta: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        b = len(self.prompts)
+        if not self.meta:
+            self.meta = [{} for _ in range(b)]
+        sizes = {"group": len(self.group), "meta": len(self.meta)}
+        if self.images is not None:
+            sizes["images"] = self.images.shape[0]
+        if self.videos is not None:
+            sizes["videos"] = self.videos.shape[0]
+        if self.completions is not None:
+            sizes["completions"] = len(self.completions)
+        bad = {k: v for k, v in sizes.items() if v != b}
+        if bad:
+            raise ValueError(f"reward batch has {b} prompts but {bad}")
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def select(self, rows: Sequence[int]) -> "RewardBatch":
+        """The sub-batch of ``rows`` (used to split work and to test batching)."""
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        return RewardBatch(
+            prompts=[self.prompts[i] for i in rows],
+            group=self.group[index],
+            images=None if self.images is None else self.images[index],
+            videos=None if self.videos is None else self.videos[index],
+            completions=None if self.completions is None else [self.completions[i] for i in rows],
+            meta=[self.meta[i] for i in rows],
+        )
+
+
+class Reward:
+    """Base class for rewards that hold state (a loaded model). Load once in ``__init__``; score in ``__call__``.
+
+    Subclasses set ``kind`` (pointwise: each sample alone; groupwise: sees whole groups) and ``modality``
+    (image, video, text or any).
+    """
+
+    kind: str = POINTWISE
+    modality: str = "any"
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def to(self, device: torch.device | str) -> "Reward":
+        """Move any model the reward holds; rules have none."""
+        return self
+
+
+class FunctionReward(Reward):
+    """A plain function ``fn(batch) -> scores`` used as a reward."""
+
+    def __init__(self, fn: Callable[[RewardBatch], Any], kind: str = POINTWISE, modality: str = "any"):
+        self.fn, self.kind, self.modality = fn, kind, modality
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
+        return self.fn(batch)
+
+
+def trl_reward(fn: Callable[..., Sequence[float]]) -> FunctionReward:
+    """Wrap a TRL-style reward ``fn(prompts, completions, **columns) -> list[float]``.
+
+    Every key present in the samples' ``meta`` is passed as a keyword list, so a TRL reward that reads
+    ``solution`` works unchanged. ``None`` scores (TRL's "not applicable") become NaN."""
+
+    def call(batch: RewardBatch) -> torch.Tensor:
+        if batch.completions is None:
+            raise ValueError(f"TRL-style reward '{fn.__name__}' needs text completions; this batch has none")
+        columns = sorted({k for m in batch.meta for k in m})
+        kwargs = {k: [m.get(k) for m in batch.meta] for k in columns}
+        scores = fn(batch.prompts, batch.completions, **kwargs)
+        return torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float64)
+
+    call.__name__ = getattr(fn, "__name__", "trl_reward")
+    return FunctionReward(call, kind=POINTWISE, modality="text")
+
+
+def is_trl_signature(fn: Callable) -> bool:
+    """True for ``fn(prompts, completions, **kwargs)``; False for ``fn(batch)``."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[:2] == ["prompts", "completions"]
+
+
+def as_scores(output: Any, n: int, name: str) -> dict[str, torch.Tensor]:
+    """Normalise what a reward returned into ``{sub_name: (n,) float64 cpu tensor}``.
+
+    A single score vector becomes ``{name: scores}``; a dict becomes ``{name/key: scores}``."""
+    items = output.items() if isinstance(output, dict) else [(None, output)]
+    scores = {}
+    for key, value in items:
+        t = torch.as_tensor(value if torch.is_tensor(value) else list(value), dtype=torch.float64)
+        t = t.detach().to("cpu", torch.float64).reshape(-1)
+        if t.numel() != n:
+            raise ValueError(f"reward '{name}' returned {t.numel()} scores for a batch of {n}")
+        scores[name if key is None else f"{name}/{key}"] = t
+    return scores
