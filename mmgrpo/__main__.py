@@ -1,4 +1,5 @@
-from mmgrpo.cli import main
 import sys
+
+from mmgrpo.cli import main
 
 sys.exit(main())

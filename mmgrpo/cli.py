@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from mmgrpo.config import ConfigError, load_config
 from mmgrpo.registry import RegistryError
@@ -52,7 +53,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     policy = _policy_and_weights(cfg)
     _, eval_items = policy.datasets()
     batch = policy.generate(eval_items)
-    main, logged, _ = RewardZoo(cfg.rewards)(batch)
+    _main, logged, _ = RewardZoo(cfg.rewards)(batch)
     result = {"num_samples": len(batch), "rewards": {k: v.nanmean().item() for k, v in logged.items()},
               "checkpoint": cfg.resume}
     out = Path(cfg.output_dir)

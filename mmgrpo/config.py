@@ -15,10 +15,10 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -34,7 +34,7 @@ class OptimConfig:
     """Peak learning rate."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """AdamW (beta1, beta2)."""
     eps: float = 1e-8
     """AdamW epsilon."""
@@ -63,7 +63,7 @@ class GRPOConfig:
     """Policy loss (registry ``POLICY_LOSSES``): ppo_clip (clipped surrogate) or reinforce (unclipped ratio * A)."""
     clip_eps: float = 0.2
     """Lower clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]. Flow-GRPO uses 1e-4."""
-    clip_eps_high: Optional[float] = None
+    clip_eps_high: float | None = None
     """Upper clip range (clip-higher, DAPO uses 0.28); None means the same as clip_eps (symmetric)."""
     ratio_level: str = "token"
     """Importance ratio per unit ('token') or one per sequence, the geometric mean over its units ('sequence',
@@ -114,7 +114,7 @@ class RewardSpec:
     """Registered reward name or ``package.module:attr``."""
     weight: float = 1.0
     """Weight of this reward in the combination."""
-    args: Dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the reward's constructor."""
 
 
@@ -144,13 +144,13 @@ class BaseConfig:
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, plots/."""
     seed: int = 0
     """Seed for every random generator; each process adds its rank."""
-    resume: Optional[str] = None
+    resume: str | None = None
     """'latest' resumes from the newest complete checkpoint in output_dir (and starts fresh if there is none);
     a path resumes from that checkpoint folder."""
     train: TrainConfig = field(default_factory=TrainConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    rewards: List[RewardSpec] = field(default_factory=list)
+    rewards: list[RewardSpec] = field(default_factory=list)
     """The rewards and their weights. See ``mmgrpo rewards`` for the registered names."""
     reward_aggregation: str = "weighted_sum"
     """weighted_sum: add the weighted raw rewards, then compute advantages. gdpo: normalise each reward within its
@@ -180,7 +180,7 @@ def valid_keys(schema: type, prefix: str = "") -> dict[str, bool]:
             keys[key] = False
             keys.update(valid_keys(tp, key + "."))
         else:
-            keys[key] = origin in (dict, Dict) or tp is Any
+            keys[key] = origin is dict or tp is Any
     return keys
 
 
@@ -310,6 +310,15 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "BaseConfig", "ConfigError", "GRPOConfig", "LoggingConfig", "OptimConfig", "RewardSpec", "TrainConfig",
-    "load_config", "read_preset", "to_yaml", "to_dict", "DictConfig", "ListConfig",
+    "BaseConfig",
+    "ConfigError",
+    "GRPOConfig",
+    "LoggingConfig",
+    "OptimConfig",
+    "RewardSpec",
+    "TrainConfig",
+    "load_config",
+    "read_preset",
+    "to_dict",
+    "to_yaml",
 ]

@@ -8,9 +8,10 @@ reference. A *unit* is whatever one log-prob belongs to: a denoising step (flow)
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ class Rollout:
     sample_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        self.old_logp = self.old_logp.detach().float()
         n, u = self.old_logp.shape
         if self.group.shape != (n,) or self.mask.shape != (n, u):
             raise ValueError(f"rollout shapes disagree: group {tuple(self.group.shape)}, old_logp {(n, u)}, "

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Callable, Iterator
+from typing import Any
 
 
 class RegistryError(KeyError):

@@ -29,7 +29,6 @@ from mmgrpo.grpo import (
     aggregation_weights,
     clip_advantages,
     combine_rewards,
-    kl_estimate,
     ratio_stats,
     weighted_reward,
     zero_std_groups,

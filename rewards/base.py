@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -58,7 +59,7 @@ class RewardBatch:
     def __len__(self) -> int:
         return len(self.prompts)
 
-    def select(self, rows: Sequence[int]) -> "RewardBatch":
+    def select(self, rows: Sequence[int]) -> RewardBatch:
         """The sub-batch of ``rows`` (used to split work and to test batching)."""
         index = torch.as_tensor(list(rows), dtype=torch.long)
         return RewardBatch(
@@ -84,7 +85,7 @@ class Reward:
     def __call__(self, batch: RewardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def to(self, device: torch.device | str) -> "Reward":
+    def to(self, device: torch.device | str) -> Reward:
         """Move any model the reward holds; rules have none."""
         return self
 
@@ -129,15 +130,26 @@ def is_trl_signature(fn: Callable) -> bool:
 
 
 def as_scores(output: Any, n: int, name: str) -> dict[str, torch.Tensor]:
-    """Normalise what a reward returned into ``{sub_name: (n,) float64 cpu tensor}``.
+    """Normalise what a reward returned into ``{sub_name: (n,) float64 cpu tensor}``; ``None`` becomes NaN.
 
     A single score vector becomes ``{name: scores}``; a dict becomes ``{name/key: scores}``."""
     items = output.items() if isinstance(output, dict) else [(None, output)]
     scores = {}
     for key, value in items:
-        t = torch.as_tensor(value if torch.is_tensor(value) else list(value), dtype=torch.float64)
-        t = t.detach().to("cpu", torch.float64).reshape(-1)
+        if not torch.is_tensor(value):
+            value = [math.nan if v is None else v for v in value]
+        t = torch.as_tensor(value, dtype=torch.float64).detach().to("cpu").reshape(-1)
         if t.numel() != n:
             raise ValueError(f"reward '{name}' returned {t.numel()} scores for a batch of {n}")
         scores[name if key is None else f"{name}/{key}"] = t
     return scores
+
+
+def main_score(scores: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The one score of reward ``name`` that enters the combination, from what :func:`as_scores` returned: the
+    plain score, else its ``score`` sub-score, else the mean of its sub-scores (ignoring NaN)."""
+    if name in scores:
+        return scores[name]
+    if f"{name}/score" in scores:
+        return scores[f"{name}/score"]
+    return torch.stack(list(scores.values()), 1).nanmean(1)

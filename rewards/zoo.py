@@ -7,13 +7,14 @@ so it happens in the trainer through :mod:`mmgrpo.grpo.advantages`.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from mmgrpo.registry import REWARDS
 
-from .base import FunctionReward, Reward, RewardBatch, as_scores, is_trl_signature, trl_reward
+from .base import FunctionReward, Reward, RewardBatch, as_scores, is_trl_signature, main_score, trl_reward
 
 
 def build_reward(name: str, args: dict[str, Any] | None = None) -> Reward:
@@ -65,10 +66,5 @@ class RewardZoo:
             scores = as_scores(reward(batch), n, name)
             seconds[name] = time.perf_counter() - start
             logged.update(scores)
-            if name in scores:
-                main[:, r] = scores[name]
-            elif f"{name}/score" in scores:
-                main[:, r] = scores[f"{name}/score"]
-            else:
-                main[:, r] = torch.stack(list(scores.values()), 1).nanmean(1)
+            main[:, r] = main_score(scores, name)
         return main, logged, seconds

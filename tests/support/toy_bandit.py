@@ -41,7 +41,7 @@ class ToySection:
 class ToyConfig(BaseConfig):
     pipeline: str = "toy_bandit:PIPELINE"
     toy: ToySection = field(default_factory=ToySection)
-    rewards: list = field(default_factory=lambda: [RewardSpec(name="toy_bandit:match_reward")])
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec(name="toy_bandit:match_reward")])
 
 
 def match_reward(batch: RewardBatch) -> list[float]:

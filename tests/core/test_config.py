@@ -1,0 +1,83 @@
+"""Typed configs: presets with base inheritance, dotted overrides, one-line errors that name the key."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from mmgrpo.config import BaseConfig, ConfigError, load_config, read_preset, to_yaml, valid_keys
+
+
+def write(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_base_chain_merges_nested_keys_and_replaces_lists(tmp_path):
+    write(tmp_path / "root.yaml", {"pipeline": "toy_bandit:PIPELINE", "seed": 1,
+                                   "train": {"max_steps": 5, "group_size": 4}, "optim": {"betas": [0.8, 0.9]}})
+    write(tmp_path / "mid.yaml", {"base": "root.yaml", "train": {"group_size": 6}})
+    leaf = write(tmp_path / "leaf.yaml", {"base": ["mid.yaml"], "optim": {"betas": [0.5, 0.6]}})
+    raw = read_preset(leaf)
+    assert raw["train"] == {"max_steps": 5, "group_size": 6}
+    assert raw["optim"]["betas"] == [0.5, 0.6]
+    cfg = load_config(leaf, ["train.max_steps=7", "optim.lr=0.5"])
+    assert (cfg.train.max_steps, cfg.train.group_size, cfg.seed, cfg.optim.lr) == (7, 6, 1, 0.5)
+    assert type(cfg).__name__ == "ToyConfig" and cfg.toy.num_arms == 4  # the pipeline's own schema
+
+
+def test_unknown_override_names_the_key_and_the_closest(tmp_path):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, ["train.max_step=3"])
+    assert "'train.max_step'" in str(err.value) and "'train.max_steps'" in str(err.value)
+    with pytest.raises(ConfigError, match="'no.such.key'"):
+        load_config(preset, ["no.such.key=1"])
+
+
+def test_unknown_key_in_yaml_and_wrong_type(tmp_path):
+    bad = write(tmp_path / "bad.yaml", {"pipeline": "toy_bandit:PIPELINE", "train": {"grup_size": 3}})
+    with pytest.raises(ConfigError, match="unknown key 'train.grup_size'.*'train.group_size'"):
+        load_config(bad)
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
+    with pytest.raises(ConfigError, match="'train.max_steps'"):
+        load_config(preset, ["train.max_steps=many"])
+    with pytest.raises(ConfigError, match="'grpo.loss_aggregation'.*closest: 'token-mean'"):
+        load_config(preset, ["grpo.loss_aggregation=token_mean"])
+    with pytest.raises(ConfigError, match="'train.group_size'"):
+        load_config(preset, ["train.group_size=0"])
+
+
+def test_missing_file_and_missing_pipeline(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="'pipeline'"):
+        load_config(write(tmp_path / "p.yaml", {"seed": 3}))
+    with pytest.raises(ConfigError, match="unknown pipeline 'flwo'"):
+        load_config(write(tmp_path / "q.yaml", {"pipeline": "flwo"}))
+
+
+def test_open_dicts_accept_any_subkey(tmp_path):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE",
+                                         "rewards": [{"name": "format", "args": {"anything": 1}}]})
+    cfg = load_config(preset)
+    assert cfg.rewards[0].args == {"anything": 1}
+    assert valid_keys(BaseConfig)["rewards"] is False
+
+
+def test_resolved_config_round_trips(tmp_path):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "seed": 11})
+    cfg = load_config(preset, ["train.max_steps=9"])
+    saved = write(tmp_path / "saved.yaml", yaml.safe_load(to_yaml(cfg)))
+    again = load_config(saved)
+    assert again == cfg
+
+
+def test_cli_exits_2_with_one_line_naming_the_key(tmp_path, support_env):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
+    proc = subprocess.run([sys.executable, "-m", "mmgrpo", "train", str(preset), "no.such.key=1"],
+                          capture_output=True, text=True, timeout=120, env=support_env, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no.such.key" in lines[0], proc.stderr

@@ -1,0 +1,54 @@
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmgrpo import checkpoint
+from mmgrpo.data import GroupSampler
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_items=st.integers(1, 30), per_rank=st.integers(1, 5), world=st.integers(1, 4), steps=st.integers(1, 6))
+def test_ranks_split_each_step_disjointly_and_group_ids_are_unique(num_items, per_rank, world, steps):
+    samplers = [GroupSampler(num_items, per_rank * world, world, r, seed=3) for r in range(world)]
+    seen_ids = set()
+    for _ in range(steps):
+        outs = [s.next() for s in samplers]
+        ids = [i for _, gid in outs for i in gid]
+        assert len(ids) == per_rank * world and not (set(ids) & seen_ids)
+        seen_ids |= set(ids)
+    assert all(s.state_dict() == samplers[0].state_dict() for s in samplers)
+
+
+def test_epoch_covers_every_item_once_and_state_resumes():
+    s = GroupSampler(10, 5, seed=1)
+    first_epoch = s.next()[0] + s.next()[0]
+    assert sorted(first_epoch) == list(range(10))
+    state = s.state_dict()
+    expected = [s.next() for _ in range(3)]
+    t = GroupSampler(10, 5, seed=1)
+    t.load_state_dict(state)
+    assert [t.next() for _ in range(3)] == expected
+
+
+def test_latest_ignores_partial_checkpoints_and_prune_keeps_newest(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        d = root / f"step-{step}"
+        d.mkdir(parents=True)
+        (d / checkpoint.STATE_FILE).write_text(json.dumps({"step": step}))
+    (root / "step-8").mkdir()                  # renamed but without state: impossible through finalize
+    (root / ".tmp-step-10").mkdir()            # a write that was interrupted
+    assert checkpoint.resolve_resume("latest", tmp_path) == root / "step-6"
+    assert checkpoint.resolve_resume(None, tmp_path) is None
+    checkpoint.prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["step-4", "step-6", "step-8"]
+
+
+def test_finalize_is_a_rename(tmp_path):
+    tmp = checkpoint.temporary_dir(tmp_path, 3)
+    tmp.mkdir(parents=True)
+    (tmp / "weights").write_text("w")
+    final = checkpoint.finalize(tmp, {"step": 3})
+    assert final.name == "step-3" and not tmp.exists() and (final / "weights").read_text() == "w"
+    assert checkpoint.read_state(final) == {"step": 3}

@@ -1,0 +1,134 @@
+"""The trainer, end to end, on the toy bandit policy (tests/support/toy_bandit.py)."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from toy_bandit import ToyConfig
+
+from mmgrpo.config import load_config
+from mmgrpo.tracking import read_metrics
+from mmgrpo.trainer import Trainer
+
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot_every=0"]
+
+
+def toy(tmp_path, *overrides):
+    return load_config(None, [f"output_dir={tmp_path}", *QUIET, *overrides], schema=ToyConfig)
+
+
+def test_reward_rises_and_first_ratio_is_exactly_one(tmp_path):
+    cfg = toy(tmp_path, "train.max_steps=25", "train.prompts_per_step=4", "optim.lr=0.1", "grpo.kl_beta=0.01")
+    history = Trainer(cfg).train()
+    rewards = [r["reward/mean"] for r in history]
+    assert len(history) == 25 and [r["step"] for r in history] == list(range(1, 26))
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards
+    assert max(r["ratio/onpolicy_max_dev"] for r in history) <= 1e-6
+    required = {"step", "reward/mean", "loss", "ratio/mean", "ratio/onpolicy_max_dev", "clip_frac", "kl",
+                "time/rollout_s", "time/reward_s", "time/train_s"}
+    assert required <= set(history[0]), required - set(history[0])
+    assert (tmp_path / "config.yaml").is_file() and (tmp_path / "plots" / "reward_mean.png").is_file()
+    assert (tmp_path / "checkpoints" / "step-25" / "policy" / "model.safetensors").is_file()
+
+
+def test_micro_batching_does_not_change_the_update(tmp_path):
+    """Aggregation weights are computed over the whole update, so splitting it into micro-batches (and hence
+    separate backward passes) gives the same step as one big batch. A large AdamW eps makes the update linear in
+    the gradient, so float noise in near-zero gradients is not blown up to full-size steps by Adam's scaling."""
+    finals = []
+    for micro in (16, 4, 1):
+        run = tmp_path / f"mb{micro}"
+        cfg = toy(run, "train.max_steps=3", "train.prompts_per_step=4", "train.group_size=4",
+                  f"train.micro_batch_size={micro}", "grpo.loss_aggregation=seq-mean-token-mean", "optim.lr=0.5",
+                  "optim.eps=1.0")
+        Trainer(cfg).train()
+        finals.append(load_file(str(run / "checkpoints" / "step-3" / "policy" / "model.safetensors")))
+    for other in finals[1:]:
+        for key in finals[0]:
+            torch.testing.assert_close(other[key], finals[0][key], atol=1e-6, rtol=0)
+
+
+def test_inner_epochs_and_updates_count_optimiser_steps(tmp_path):
+    cfg = toy(tmp_path, "train.max_steps=8", "train.num_inner_epochs=2", "train.updates_per_rollout=2",
+              "train.prompts_per_step=2", "train.group_size=4", "train.micro_batch_size=2")
+    history = Trainer(cfg).train()
+    assert [r["iteration"] for r in history] == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert [r["inner_epoch"] for r in history] == [0, 0, 1, 1] * 2
+    # later updates of an iteration are off-policy: their ratios move away from 1
+    assert history[1]["ratio/max_dev"] > 0 and history[0]["ratio/onpolicy_max_dev"] == 0
+
+
+def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
+    cfg = toy(tmp_path, "train.max_steps=4", "train.ema_decay=0.9", "optim.lr=0.1")
+    trainer = Trainer(cfg)
+    trainer.train()
+    ckpt = tmp_path / "checkpoints" / "step-4"
+    ema, raw = load_file(str(ckpt / "ema.safetensors")), load_file(str(ckpt / "policy" / "model.safetensors"))
+    assert set(ema) == set(raw) and not torch.allclose(ema["weight"], raw["weight"])
+    with trainer.ema.swapped_in():
+        torch.testing.assert_close(trainer.policy.model.weight.detach(), ema["weight"])
+    torch.testing.assert_close(trainer.policy.model.weight.detach(), raw["weight"])
+
+
+def _preset(path, run_dir, **train):
+    data = {"pipeline": "toy_bandit:PIPELINE", "output_dir": str(run_dir), "resume": "latest",
+            "train": {"max_steps": 16, "save_every": 2, "keep_last": 0, "prompts_per_step": 4, **train},
+            "optim": {"lr": 0.05, "lr_scheduler": "cosine", "warmup_steps": 2},
+            "toy": {"sleep_s": 0.25}, "logging": {"progress": False, "tensorboard": False}}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, support_env):
+    env = support_env
+    cmd = [sys.executable, "-m", "mmgrpo", "train"]
+    straight = _preset(tmp_path / "straight.yaml", tmp_path / "straight")
+    subprocess.run(cmd + [str(straight)], env=env, check=True, timeout=300, capture_output=True)
+
+    run = tmp_path / "killed"
+    preset = _preset(tmp_path / "killed.yaml", run)
+    proc = subprocess.Popen(cmd + [str(preset)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not (run / "checkpoints" / "step-6").exists():
+        assert proc.poll() is None and time.time() < deadline, "run ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(r["step"] for r in read_metrics(run / "metrics.jsonl"))
+    assert killed_at < 16, "the run finished before the kill: nothing was resumed"
+
+    resumed = subprocess.run(cmd + [str(preset)], env=env, timeout=300, capture_output=True, text=True, check=False)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == list(range(1, 17)), steps
+    a = load_file(str(tmp_path / "straight" / "checkpoints" / "step-16" / "policy" / "model.safetensors"))
+    b = load_file(str(run / "checkpoints" / "step-16" / "policy" / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
+def test_two_processes_gather_whole_groups_and_stay_in_sync(tmp_path, support_env):
+    out = tmp_path / "ddp.json"
+    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+           str(SUPPORT / "ddp_check.py"), str(out), str(tmp_path / "run")]
+    proc = subprocess.run(cmd, env=support_env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["num_processes"] == 2
+    assert result["adv_max_abs_diff"] <= 1e-6
+    assert result["local_vs_global_diff"] > 1e-3, "batch std must come from both processes"
+    assert result["param_rank_diff"] == 0.0 and result["param_change"] > 0
+    assert result["distinct_groups"] == 4 and result["groups_per_rank"] == [2, 2]

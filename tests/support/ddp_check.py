@@ -1,0 +1,56 @@
+"""Run under ``accelerate launch --multi_gpu --num_processes 2``: checks that advantages on gathered groups equal
+the one-process computation, and that one optimiser step leaves identical parameters on every rank.
+
+Usage: ddp_check.py OUT.json RUN_DIR
+"""
+
+import json
+import sys
+
+import torch
+from toy_bandit import ToyConfig
+
+from mmgrpo.config import load_config
+from mmgrpo.grpo import clip_advantages, combine_rewards
+from mmgrpo.trainer import Trainer
+
+out_path, run_dir = sys.argv[1], sys.argv[2]
+cfg = load_config(None, [f"output_dir={run_dir}", "train.prompts_per_step=4", "train.group_size=4",
+                         "train.micro_batch_size=4", "grpo.advantage=group_mean_batch_std", "grpo.adv_clip=1.5",
+                         "optim.lr=0.05", "logging.progress=false"], schema=ToyConfig)
+trainer = Trainer(cfg)
+acc = trainer.accelerator
+items_idx, group_ids = trainer.sampler.next()
+with torch.no_grad():
+    rollout = trainer.policy.rollout([trainer.train_items[i] for i in items_idx], group_ids, cfg.train.group_size)
+main, _, _ = trainer.rewards(rollout.reward_batch)
+unit_adv, _ = trainer.compute_advantages(rollout, main)
+
+all_main = acc.gather(main).cpu()
+all_group = acc.gather(rollout.group).cpu()
+all_adv = acc.gather(unit_adv[:, 0].contiguous()).cpu()
+reference = clip_advantages(combine_rewards(all_main, trainer.rewards.weights, all_group, "weighted_sum",
+                                            "group_mean_batch_std", cfg.grpo.adv_eps), cfg.grpo.adv_clip)
+# what a per-process (wrong) computation would give: local statistics only
+local_only = clip_advantages(combine_rewards(main, trainer.rewards.weights, rollout.group, "weighted_sum",
+                                             "group_mean_batch_std", cfg.grpo.adv_eps), cfg.grpo.adv_clip)
+
+before = torch.cat([p.detach().flatten() for p in acc.unwrap_model(trainer.policy.model).parameters()])
+trainer.train_on_rollout(rollout, unit_adv, lambda metrics: None)
+after = torch.cat([p.detach().flatten() for p in acc.unwrap_model(trainer.policy.model).parameters()])
+params = acc.gather(after[None]).cpu()
+groups_per_rank = acc.gather(torch.tensor([len(set(rollout.group.tolist()))])).cpu()
+
+if acc.is_main_process:
+    summary = {
+        "num_processes": acc.num_processes,
+        "adv_max_abs_diff": (all_adv.double() - reference).abs().max().item(),
+        "local_vs_global_diff": (local_only - all_adv[: len(local_only)].double()).abs().max().item(),
+        "param_rank_diff": (params[0] - params[1]).abs().max().item(),
+        "param_change": (after - before).abs().max().item(),
+        "distinct_groups": len(set(all_group.tolist())),
+        "groups_per_rank": groups_per_rank.tolist(),
+    }
+    with open(out_path, "w") as f:
+        json.dump(summary, f)
+acc.wait_for_everyone()
