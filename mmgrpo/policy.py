@@ -30,6 +30,9 @@ class Rollout:
     - ``data``: pipeline tensors needed to recompute log-probs (latents, noise, token ids, ...).
     - ``counters``: numbers to log for this rollout, e.g. ``nfe/rollout`` or ``tokens/completion``.
     - ``sample_mask``: (N,) bool, samples that may be trained at all (False for a failed decode, etc.).
+    - ``recompute_old_logp``: set by a policy whose sampling forwards cannot use the training chunking (consecutive
+      rows in ``train.micro_batch_size`` chunks, then ``unit_chunks``); the trainer then recomputes ``old_logp``
+      through ``log_probs`` before the first update and logs how far the sampling log-probs were from it.
     """
 
     group: torch.Tensor
@@ -40,6 +43,7 @@ class Rollout:
     unit_weight: torch.Tensor | None = None
     counters: dict[str, float] = field(default_factory=dict)
     sample_mask: torch.Tensor | None = None
+    recompute_old_logp: bool = False
 
     def __post_init__(self) -> None:
         self.old_logp = self.old_logp.detach().float()

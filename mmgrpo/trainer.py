@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -148,13 +148,36 @@ class Trainer:
         unit_adv = self.policy.unit_advantages(rollout, local_adv, combined[lo:lo + n])
         return unit_adv.float(), stats
 
-    def _micro_batches(self, n: int, generator: torch.Generator) -> list[list[torch.Tensor]]:
-        """Split the n local rows into updates_per_rollout updates of micro-batches (a fresh shuffle per epoch)."""
+    def _micro_batches(self, n: int, generator: torch.Generator | None) -> list[list[torch.Tensor]]:
+        """Split the n local rows into updates_per_rollout updates of micro-batches of consecutive rows, the
+        chunking rollouts use (so the first ratio is exactly 1); with a generator, the rows are shuffled first."""
         t = self.cfg.train
-        order = torch.randperm(n, generator=generator)
+        order = torch.arange(n) if generator is None else torch.randperm(n, generator=generator)
         micro = list(order.split(t.micro_batch_size))
         per_update = math.ceil(len(micro) / t.updates_per_rollout)
         return [micro[i:i + per_update] for i in range(0, len(micro), per_update)]
+
+    @torch.no_grad()
+    def recompute_old_logp(self, rollout: Rollout) -> float:
+        """Replace ``rollout.old_logp`` by log-probs from the training forward path in the first epoch's chunking.
+
+        For rollouts whose sampling forwards cannot share the training batch layout (a branching tree's nodes).
+        Returns max |rollout log-prob - recomputed| over trained units: it stays near float noise when sampling
+        and training agree on the noise and std, and exposes them when they do not."""
+        mask = rollout.mask & rollout.sample_mask[:, None]
+        fresh = rollout.old_logp.clone()
+        for micro_batches in self._micro_batches(len(rollout), None):
+            for rows in micro_batches:
+                for units in self.policy.unit_chunks(rollout):
+                    cols = slice(None) if units is None else units
+                    with self.accelerator.autocast():
+                        logp = self.policy.log_probs(rollout, rows, units, with_kl=False).logp.float()
+                    block = fresh[rows]
+                    block[:, cols] = logp
+                    fresh[rows] = block
+        dev = (fresh - rollout.old_logp).abs()[mask]
+        rollout.old_logp = fresh
+        return dev.max().item() if dev.numel() else 0.0
 
     def train_on_rollout(self, rollout: Rollout, unit_adv: torch.Tensor, on_step: Any) -> None:
         """K inner epochs over ``rollout``; one optimiser step per update; ``on_step(metrics)`` after each."""
@@ -169,7 +192,7 @@ class Trainer:
                              "policy splits them into chunks")
         onpolicy_dev = None
         for epoch in range(cfg.train.num_inner_epochs):
-            updates = self._micro_batches(len(rollout), gen)
+            updates = self._micro_batches(len(rollout), None if epoch == 0 else gen)
             for micro_batches in updates:
                 rows_all = torch.cat(micro_batches)
                 weights_all = aggregation_weights(mask[rows_all], g.loss_aggregation) * rollout.unit_weight[rows_all]
@@ -227,6 +250,24 @@ class Trainer:
                 if self.step >= cfg.train.max_steps:
                     return
 
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Score one sample per held-out item (EMA weights when enabled); save them to samples/step-N.
+
+        Held-out items are split over processes and the scores gathered, so every process must call this."""
+        acc = self.accelerator
+        items = self.eval_items[acc.process_index::acc.num_processes]
+        with self.ema.swapped_in() if self.ema is not None else nullcontext(), acc.autocast():
+            batch = self.policy.generate(items)
+        _, logged, _ = self.rewards(batch)
+        if acc.is_main_process:
+            self.policy.save_samples(batch, self.run_dir / "samples", f"step-{self.step}")
+        means = {}
+        for name in sorted(logged):
+            scores = torch.tensor(gather_object(logged[name].tolist()), dtype=torch.float64)
+            means[f"eval/{name}/mean"] = scores.nanmean().item()
+        return means
+
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Average scalar metrics over processes (max for the *max_dev keys)."""
         if self.accelerator.num_processes == 1:
@@ -270,6 +311,8 @@ class Trainer:
                 t2 = time.perf_counter()
                 unit_adv, adv_stats = self.compute_advantages(rollout, main)
                 iteration_metrics = self._reward_metrics(main, logged)
+                if rollout.recompute_old_logp:
+                    iteration_metrics["logp/rollout_vs_recompute_max_dev"] = self.recompute_old_logp(rollout)
                 iteration_metrics.update(adv_stats)
                 iteration_metrics.update(rollout.counters)
                 iteration_metrics.update({"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1})
@@ -277,6 +320,10 @@ class Trainer:
                 self.train_on_rollout(rollout, unit_adv, rows.append)
                 t3 = time.perf_counter()
                 self.iteration += 1
+                every = cfg.train.eval_every
+                if every and (self.step // every != (self.step - len(rows)) // every
+                              or self.step >= cfg.train.max_steps):
+                    rows[-1].update(self.evaluate())
                 for i, row in enumerate(rows):
                     row.update(iteration_metrics)
                     row.update({"time/train_s": (t3 - t2) / len(rows), "time/step_s": (t3 - t0) / len(rows),

@@ -132,3 +132,26 @@ def test_two_processes_gather_whole_groups_and_stay_in_sync(tmp_path, support_en
     assert result["local_vs_global_diff"] > 1e-3, "batch std must come from both processes"
     assert result["param_rank_diff"] == 0.0 and result["param_change"] > 0
     assert result["distinct_groups"] == 4 and result["groups_per_rank"] == [2, 2]
+
+
+def test_in_loop_evaluation_logs_heldout_scores_and_samples(tmp_path):
+    cfg = toy(tmp_path, "train.max_steps=6", "train.eval_every=3", "optim.lr=0.2")
+    history = Trainer(cfg).train()
+    evals = [r for r in history if "eval/toy_bandit:match_reward/mean" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert (tmp_path / "samples" / "step-3.txt").is_file()
+    assert all(0.0 <= r["eval/toy_bandit:match_reward/mean"] <= 1.0 for r in evals)
+
+
+def test_recomputed_old_logp_reports_its_distance_from_the_rollout(tmp_path):
+    """A policy that must recompute old log-probs gets them replaced, and the distance is logged; a policy whose
+    sampling log-probs disagree with training (here: perturbed on purpose) shows up in that metric."""
+    cfg = toy(tmp_path, "train.max_steps=2")
+    trainer = Trainer(cfg)
+    items = trainer.train_items[:2]
+    with torch.no_grad():
+        rollout = trainer.policy.rollout(items, [0, 1], cfg.train.group_size)
+    exact = rollout.old_logp.clone()
+    rollout.old_logp = exact + 0.25
+    assert abs(trainer.recompute_old_logp(rollout) - 0.25) < 1e-6
+    torch.testing.assert_close(rollout.old_logp, exact)
