@@ -20,7 +20,8 @@ import torch
 
 from mmgrpo.registry import Registry
 
-BENCHES = Registry("benchmark", builtin_modules=("mmgrpo.pipelines",))
+BENCHES = Registry("benchmark", builtin_modules=("mmgrpo.pipelines.flow.bench", "mmgrpo.pipelines.vlm.bench",
+                                                  "mmgrpo.rewards.bench"))
 
 
 def machine_info() -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -129,11 +129,8 @@ class Registry:
 REWARDS = Registry("reward", entry_point_group="mmgrpo.rewards", builtin_modules=("mmgrpo.rewards",))
 ADVANTAGES = Registry("advantage estimator", builtin_modules=("mmgrpo.grpo.advantages",))
 POLICY_LOSSES = Registry("policy loss", builtin_modules=("mmgrpo.grpo.losses",))
-ROLLOUT_MODES = Registry("rollout mode", builtin_modules=("mmgrpo.pipelines",))
-MODEL_ADAPTERS = Registry("model adapter", builtin_modules=("mmgrpo.pipelines",))
+ROLLOUT_MODES = Registry("rollout mode", builtin_modules=("mmgrpo.pipelines.flow.modes",))
+MODEL_ADAPTERS = Registry("model adapter", builtin_modules=("mmgrpo.pipelines.flow.adapters",
+                                                           "mmgrpo.pipelines.vlm.model"))
 PIPELINES = Registry("pipeline", builtin_modules=("mmgrpo.pipelines",))
 
-
-def resolve_callable(spec: str | Callable) -> Callable:
-    """A callable given directly, or by registry-free import path."""
-    return spec if callable(spec) else import_path(spec)

@@ -1,0 +1,130 @@
+"""Config schema of the flow/diffusion pipeline (``pipeline: flow``). Every field is documented where it is defined."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmgrpo.config import BaseConfig
+
+
+@dataclass
+class FlowModelConfig:
+    """Which generator, how it is loaded and what is trained."""
+
+    type: str = "sd3"
+    """Model adapter (registry ``MODEL_ADAPTERS``): sd3 (SD3/SD3.5), flux (FLUX.1) or wan (Wan2.1/2.2 T2V)."""
+    path: str = "???"
+    """Hub id (e.g. stabilityai/stable-diffusion-3.5-medium) or local diffusers pipeline folder. ``tiny:sd3``,
+    ``tiny:flux`` and ``tiny:wan`` build a 2-layer random pipeline once, save it in the real format under
+    ~/.cache/mmgrpo/tiny, and load it from there through the same from_pretrained path."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for ``path``."""
+    dtype: str = "float32"
+    """Weights dtype of the frozen parts (VAE, text encoders, base transformer): float32, bfloat16 or float16.
+    Step and log-prob math always runs in fp32."""
+    lora_rank: int = 32
+    """LoRA rank on the transformer; 0 trains the full transformer."""
+    lora_alpha: int = 64
+    """LoRA alpha (the adapter output is scaled by alpha / rank)."""
+    lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    """Module-name suffixes that get LoRA adapters."""
+    gradient_checkpointing: bool = False
+    """Recompute transformer activations in backward to save memory."""
+    attention_backend: str = "auto"
+    """diffusers attention backend: auto (flash where available, else SDPA), native (SDPA), xformers, flash, ...
+    A backend whose kernel is missing on this machine falls back to SDPA with one warning."""
+
+
+@dataclass
+class FlowSamplingConfig:
+    """How images/videos are sampled. Rollout and training always use the same values (ratio == 1)."""
+
+    num_steps: int = 10
+    """Denoising steps per rollout (Flow-GRPO trains with 10)."""
+    eval_num_steps: int = 40
+    """Denoising steps (deterministic ODE) for evaluation and ``mmgrpo sample``."""
+    guidance_scale: float = 4.5
+    """Classifier-free guidance scale, used in rollout and training; 1 disables CFG (no unconditional forward).
+    For guidance-distilled FLUX.1-dev it is the embedded guidance value instead."""
+    negative_prompt: str = ""
+    """Prompt of the unconditional branch."""
+    height: int = 512
+    """Image height in pixels."""
+    width: int = 512
+    """Image width in pixels."""
+    num_frames: int = 33
+    """Frames per video (Wan only)."""
+    sde: str = "flow_grpo"
+    """Stochastic step kernel: flow_grpo (Flow-GRPO SDE), dance (DanceGRPO SDE) or cps (coefficients-preserving)."""
+    noise_level: float = 0.7
+    """Flow-GRPO SDE noise level a (std_t = a*sqrt(sigma/(1-sigma)))."""
+    eta: float = 0.3
+    """DanceGRPO eta (std = eta*sqrt(|dt|)) or the CPS eta (std = sigma_prev*sin(eta*pi/2))."""
+    latent_dtype: str = "float32"
+    """Storage dtype of rollout latents. The stored next-latent is round-tripped through it before its log-prob
+    is taken, so the ratio stays exactly 1 even in bf16 storage."""
+
+
+@dataclass
+class FlowModeConfig:
+    """The rollout mode: which steps are stochastic and trained."""
+
+    name: str = "flow_grpo"
+    """Rollout mode (registry ``ROLLOUT_MODES``): flow_grpo, dance_grpo, fast (Flow-GRPO-Fast), mixgrpo,
+    mixgrpo_flash, branch (BranchGRPO) or tempflow (TempFlow-GRPO)."""
+    train_fraction: float = 0.9
+    """flow_grpo: fraction of the first steps that are trained. dance_grpo: fraction trained per sample."""
+    window_size: int = 4
+    """mixgrpo / flash / fast: SDE steps in the sliding window."""
+    shift_interval: int = 25
+    """mixgrpo / flash: iterations between window moves."""
+    window_stride: int = 1
+    """mixgrpo / flash: steps the window moves at each shift."""
+    window_strategy: str = "progressive"
+    """mixgrpo / flash: progressive (with roll-back), random or decay."""
+    flash_compression: float | None = 0.4
+    """mixgrpo_flash: fraction of the ODE steps after the window that are kept (None keeps all)."""
+    fast_within: float = 0.5
+    """fast: the window is placed at random inside this first fraction of the steps."""
+    split_points: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
+    """branch: steps at which every node splits."""
+    branch_factor: int = 2
+    """branch: children per split."""
+    branch_variant: str = "pure"
+    """branch: pure (SDE on every step) or mix (SDE only in a window and at split steps)."""
+    reward_backup: str = "mean"
+    """branch: internal-node reward, mean of leaves or prob (weighted by child split-step probabilities)."""
+    width_keep: float = 1.0
+    """branch: fraction of leaf nodes kept for training (top and bottom by advantage); 1 keeps all."""
+    depth_prune_window: int = 0
+    """branch: untrained steps at the end of the schedule, sliding earlier over training; 0 disables."""
+    depth_prune_interval: int = 25
+    """branch: iterations between depth-pruning window moves."""
+    tempflow_candidates: list[int] | None = None
+    """tempflow: steps that may be the single SDE branch step (None: all but the last)."""
+    timestep_weighting: str = "uniform"
+    """Per-step loss weights for every mode: uniform or noise_aware (TempFlow-GRPO)."""
+
+
+@dataclass
+class FlowDataConfig:
+    """Where prompts come from."""
+
+    train_prompts: str = "???"
+    """A .txt file (one prompt per line) or .jsonl (objects with ``prompt`` plus any metadata the rewards read),
+    or ``task:NAME`` for a registered synthetic task."""
+    eval_prompts: str | None = None
+    """Held-out prompts in the same formats; None uses the task's held-out split or the first training prompts."""
+    num_eval: int = 16
+    """Held-out prompts used by in-loop evaluation."""
+
+
+@dataclass
+class FlowConfig(BaseConfig):
+    """``pipeline: flow``: GRPO for flow-matching image and video generators."""
+
+    pipeline: str = "flow"
+    model: FlowModelConfig = field(default_factory=FlowModelConfig)
+    sampling: FlowSamplingConfig = field(default_factory=FlowSamplingConfig)
+    mode: FlowModeConfig = field(default_factory=FlowModeConfig)
+    data: FlowDataConfig = field(default_factory=FlowDataConfig)

@@ -1,0 +1,124 @@
+"""Config schema of the VLM / video reasoning pipeline (``pipeline: vlm``). Every field is documented here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmgrpo.config import BaseConfig
+
+
+@dataclass
+class VLMModelConfig:
+    """Which vision-language model, how it is loaded and what is trained."""
+
+    path: str = "???"
+    """Hub id (e.g. Qwen/Qwen2.5-VL-7B-Instruct) or local transformers folder. ``tiny:qwen2_vl`` and
+    ``tiny:qwen2_5_vl`` build a tiny random model once, save it in the real format under ~/.cache/mmgrpo/tiny,
+    and load it from there through the same from_pretrained path."""
+    revision: str | None = None
+    """Hub revision for ``path``."""
+    dtype: str = "float32"
+    """Weights dtype: float32, bfloat16 or float16. Log-prob math runs in fp32."""
+    lora_rank: int = 0
+    """LoRA rank on the language model; 0 trains the full model."""
+    lora_alpha: int = 32
+    """LoRA alpha."""
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module-name suffixes that get LoRA adapters (language model only)."""
+    freeze_vision: bool = True
+    """Keep the vision tower (and its merger) frozen."""
+    attn_implementation: str = "sdpa"
+    """transformers attention: sdpa, flash_attention_2 or eager."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+@dataclass
+class VLMDataConfig:
+    """Where questions, images and videos come from."""
+
+    train_file: str = "???"
+    """JSON or JSONL in the Video-R1 format (problem, problem_type, options, solution, path, data_type) or the
+    EasyR1 format (problem, answer, images, videos)."""
+    eval_file: str | None = None
+    """Held-out file in the same formats; None holds out the last ``num_eval`` training samples."""
+    root: str = "."
+    """Folder that image and video paths are relative to."""
+    num_eval: int = 32
+    """Held-out samples for evaluation when ``eval_file`` is None, and the cap on in-loop evaluation."""
+    prompt_template: str = ("{question}{options}\nThink about the question step by step inside <think> </think> "
+                            "tags, then give only the final answer inside <answer> </answer> tags.")
+    """Prompt text; ``{question}`` is the problem and ``{options}`` the newline-joined options (or empty)."""
+    on_bad_media: str = "skip"
+    """A missing or corrupt image/video: skip (count it and warn) or error (stop the run)."""
+    max_prompt_tokens: int = 4096
+    """Prompts longer than this (text plus vision tokens) are skipped with a warning, or stop the run when
+    on_bad_media is error."""
+
+
+@dataclass
+class VLMVideoConfig:
+    """Video decoding (Qwen2-VL conventions): frames sampled at ``fps``, clamped, rounded, and resized."""
+
+    backend: str = "auto"
+    """decord, pyav, or auto (decord, falling back to PyAV)."""
+    fps: float = 2.0
+    """Frames sampled per second of video."""
+    min_frames: int = 4
+    """Fewest frames per video."""
+    max_frames: int = 16
+    """Most frames per video."""
+    frame_multiple: int = 2
+    """The frame count is rounded to a multiple of this (Qwen2-VL merges 2 frames per temporal patch)."""
+    max_pixels: int = 128
+    """Per-frame pixel budget in units of 28x28 pixels (128 -> 128*28*28 pixels)."""
+    min_pixels: int = 4
+    """Per-frame pixel floor in units of 28x28 pixels."""
+    image_max_pixels: int = 256
+    """Per-image pixel budget in units of 28x28 pixels."""
+
+
+@dataclass
+class VLMGenerationConfig:
+    """How completions are sampled."""
+
+    max_new_tokens: int = 256
+    """Token limit per completion; completions that hit it are flagged as truncated."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1 disables)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    backend: str = "hf"
+    """hf (transformers, prefill shared across the group) or vllm (the ``vllm`` extra, GPU)."""
+    mask_truncated: bool = True
+    """Leave truncated completions out of the loss."""
+
+
+@dataclass
+class TGRPOConfig:
+    """T-GRPO temporal contrast (Video-R1)."""
+
+    enabled: bool = False
+    """Also roll out each video prompt on shuffled frames and add the temporal bonus."""
+    alpha: float = 0.3
+    """Bonus added to each correct ordered-frame rollout when the group passes the test."""
+    mu: float = 0.8
+    """The group passes when ordered accuracy >= mu * shuffled accuracy."""
+    shuffled_group_size: int = 0
+    """Shuffled-frame rollouts per prompt; 0 uses train.group_size."""
+
+
+@dataclass
+class VLMConfig(BaseConfig):
+    """``pipeline: vlm``: GRPO for vision-language reasoning on images and videos."""
+
+    pipeline: str = "vlm"
+    model: VLMModelConfig = field(default_factory=VLMModelConfig)
+    data: VLMDataConfig = field(default_factory=VLMDataConfig)
+    video: VLMVideoConfig = field(default_factory=VLMVideoConfig)
+    generation: VLMGenerationConfig = field(default_factory=VLMGenerationConfig)
+    tgrpo: TGRPOConfig = field(default_factory=TGRPOConfig)
+    prefix_grouper: bool = True
+    """Training forward encodes each group's shared prompt (text + vision tokens) once (Prefix Grouper)."""
