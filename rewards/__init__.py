@@ -2,12 +2,17 @@
 
 from .base import GROUPWISE, POINTWISE, FunctionReward, Reward, RewardBatch, trl_reward
 from .checks import as_rgb_images, as_rgb_videos, completions_or_raise
+from .clip_models import Aesthetic, ClipScore, HPSv2, HPSv21, PickScore, TextEmbeddingCache
 from .image_rules import ColorFraction, JpegCompressibility, JpegIncompressibility, Sharpness
+from .preprocess import ClipPreprocess
 from .text_rules import AccuracyReward, FormatReward, LengthReward, TemporalIoU
+from .video import TemporalConsistency, VideoFrames
 from .winrate import WinRate, pairwise_win_rate
 from .zoo import RewardZoo, build_reward
 
-__all__ = ["GROUPWISE", "POINTWISE", "AccuracyReward", "ColorFraction", "FormatReward", "FunctionReward",
-           "JpegCompressibility", "JpegIncompressibility", "LengthReward", "Reward", "RewardBatch", "RewardZoo",
-           "Sharpness", "TemporalIoU", "WinRate", "as_rgb_images", "as_rgb_videos", "build_reward",
-           "completions_or_raise", "pairwise_win_rate", "trl_reward"]
+__all__ = ["GROUPWISE", "POINTWISE", "AccuracyReward", "Aesthetic", "ClipPreprocess", "ClipScore",
+           "ColorFraction", "FormatReward", "FunctionReward", "HPSv2", "HPSv21", "JpegCompressibility",
+           "JpegIncompressibility", "LengthReward", "PickScore", "Reward", "RewardBatch", "RewardZoo",
+           "Sharpness", "TemporalConsistency", "TemporalIoU", "TextEmbeddingCache", "VideoFrames", "WinRate",
+           "as_rgb_images", "as_rgb_videos", "build_reward", "completions_or_raise", "pairwise_win_rate",
+           "trl_reward"]

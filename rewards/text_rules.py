@@ -1,0 +1,323 @@
+"""Rule-based rewards for text completions of reasoning VLMs: format, accuracy by problem type, length, temporal IoU.
+
+Answers are read only from the last ``<answer>...</answer>`` block. A completion without one, or with a blank one,
+scores 0: matching the ground truth anywhere in the text would pay out for empty or hedging answers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from typing import Any
+
+import jiwer
+import torch
+
+from mmgrpo.registry import REWARDS
+
+from .base import POINTWISE, Reward, RewardBatch
+from .checks import completions_or_raise
+
+PROBLEM_TYPES = ("multiple choice", "numerical", "OCR", "free-form", "regression")
+_TYPE_ALIASES = {
+    "multiple choice": "multiple choice", "multiplechoice": "multiple choice", "mc": "multiple choice",
+    "choice": "multiple choice", "numerical": "numerical", "numeric": "numerical", "number": "numerical",
+    "ocr": "OCR", "free form": "free-form", "freeform": "free-form", "open ended": "free-form",
+    "regression": "regression",
+}
+
+
+def canonical_problem_type(name: str) -> str | None:
+    """The Video-R1 problem type that ``name`` spells (case, ``_``, ``-`` and spaces ignored), or None."""
+    return _TYPE_ALIASES.get(re.sub(r"[\s_\-]+", " ", str(name).strip().lower()))
+
+
+def last_tagged(text: str, tag: str = "answer") -> str | None:
+    """The stripped content of the last ``<tag>...</tag>`` block of ``text``; None when there is none."""
+    found = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
+    return found[-1].strip() if found else None
+
+
+def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer") -> str:
+    """``meta["solution"]`` (Video-R1) or ``meta["answer"]`` (EasyR1) as text, unwrapped from ``<tag>`` if wrapped.
+
+    A missing or blank ground truth is a data error and raises ``ValueError``."""
+    value = meta.get("solution", meta.get("answer"))
+    if value is None:
+        raise ValueError(f"reward '{reward}': sample {row} has no 'solution' or 'answer' in its meta")
+    text = str(value)
+    inner = last_tagged(text, tag)
+    text = (inner if inner is not None else text).strip()
+    if not text:
+        raise ValueError(f"reward '{reward}': sample {row} has an empty ground truth")
+    return text
+
+
+_CHOICE_RE = re.compile(r"\(?([A-Za-z])(\)?[.:]?)(\s.*)?", re.DOTALL)
+
+
+def normalize_choice(text: str) -> str:
+    """The option letter of a multiple-choice answer: ``b``, ``B.``, ``(B)``, ``B) text``, ``B. text`` -> ``B``.
+
+    Text that does not start with a lone letter (``A cat``) is returned whitespace-collapsed, upper-cased, without
+    a trailing ``.`` or ``)``."""
+    text = text.strip()
+    m = _CHOICE_RE.fullmatch(text)
+    if m and (m.group(2) or not m.group(3)):
+        return m.group(1).upper()
+    return " ".join(text.split()).rstrip(".)").upper()
+
+
+def parse_number(text: str) -> float | None:
+    """A finite float from ``text`` (``3``, ``3.0``, ``-2.5``, ``1,000``, ``1e3``); None if it is not one."""
+    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.strip())
+    try:
+        value = float(s)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def math_equal(pred: str, gt: str) -> bool:
+    """Symbolic equality by math-verify (``\\frac{1}{2}`` == ``0.5``). Bare expressions are read as LaTeX."""
+    from math_verify import parse, verify
+
+    # math-verify times out through signal.alarm, which only the main thread may use.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+
+    def read(s: str) -> list:
+        return parse(s if "$" in s or "\\boxed" in s else f"${s}$", parsing_timeout=timeout)
+
+    gold, guess = read(gt), read(pred)
+    return bool(gold and guess and verify(gold, guess, timeout_seconds=timeout))
+
+
+def score_multiple_choice(pred: str, gt: str) -> float:
+    """1.0 when the normalised option letters (see :func:`normalize_choice`) are equal."""
+    return float(normalize_choice(pred) == normalize_choice(gt))
+
+
+def score_numerical(pred: str, gt: str) -> float:
+    """1.0 when both numbers agree after rounding to 2 decimals; math-verify decides when either is not a number."""
+    p, g = parse_number(pred), parse_number(gt)
+    if p is not None and g is not None:
+        return float(round(p, 2) == round(g, 2))
+    return float(math_equal(pred, gt))
+
+
+def score_ocr(pred: str, gt: str) -> float:
+    """``max(0, 1 - WER)`` with jiwer's default word split; case-sensitive."""
+    return max(0.0, 1.0 - jiwer.wer(gt, pred))
+
+
+def score_regression(pred: str, gt: str) -> float:
+    """``clip(1 - |pred - gt| / |gt|, 0, 1)``. With ``gt == 0`` the relative error is undefined: 1.0 only for
+    ``pred == 0``. An unparsable prediction scores 0; an unparsable ground truth raises ``ValueError``."""
+    g = parse_number(gt)
+    if g is None:
+        raise ValueError(f"regression ground truth {gt!r} is not a number")
+    p = parse_number(pred)
+    if p is None:
+        return 0.0
+    if g == 0:
+        return float(p == 0)
+    return min(1.0, max(0.0, 1.0 - abs(p - g) / abs(g)))
+
+
+@REWARDS.register("format", kind=POINTWISE, modality="text",
+                  description="1 if the completion is <think>...</think><answer>...</answer>, else 0")
+class FormatReward(Reward):
+    """1.0 for a well-formatted completion, else 0.0.
+
+    With ``require_think``, the whole completion (surrounding whitespace allowed) must be one think block followed
+    by one answer block. Without, it must end with one answer block; the text before it is free (plain reasoning or
+    a think block) but may hold no answer tag. In both cases the answer must not be blank and no block may contain
+    a think or answer tag.
+
+    Args:
+        think_tag: name of the reasoning tag (``"think"`` -> ``<think>...</think>``).
+        answer_tag: name of the answer tag.
+        require_think: demand the think block. False rewards a model fine-tuned without think tags for its answer
+            block alone, where a strict format reward would stay at 0.
+    """
+
+    modality = "text"
+
+    def __init__(self, think_tag: str = "think", answer_tag: str = "answer", require_think: bool = True):
+        t, a = re.escape(think_tag), re.escape(answer_tag)
+        body = rf"(?:(?!</?{t}>|</?{a}>).)*"
+        answer = rf"<{a}>({body})</{a}>\s*"
+        lead = rf"\s*<{t}>{body}</{t}>\s*" if require_think else rf"(?:(?!</?{a}>).)*"
+        self.pattern = re.compile(lead + answer, re.DOTALL)
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        scores = []
+        for text in completions_or_raise(batch, "format"):
+            m = self.pattern.fullmatch(text)
+            scores.append(float(bool(m and m.group(1).strip())))
+        return torch.tensor(scores, dtype=torch.float64)
+
+
+@REWARDS.register("accuracy", kind=POINTWISE, modality="text",
+                  description="answer vs ground truth by problem type (choice, numerical, OCR, free-form, regression)")
+class AccuracyReward(Reward):
+    """Correctness of the last ``<answer>`` block against ``meta["solution"]`` or ``meta["answer"]``.
+
+    The rule follows ``meta["problem_type"]`` (Video-R1 types, aliases such as ``multiple_choice`` accepted):
+
+    - multiple choice: 1 when the option letters match (:func:`normalize_choice`);
+    - numerical: 1 when equal after rounding to 2 decimals, math-verify for expressions (:func:`score_numerical`);
+    - OCR: ``max(0, 1 - WER)``;
+    - free-form: mean of the ROUGE-1, ROUGE-2 and ROUGE-L F-measures (rouge-score, Porter stemming; its
+      tokenizer keeps only ASCII letters and digits, so other scripts score 0);
+    - regression: ``clip(1 - relative error, 0, 1)`` (:func:`score_regression`).
+
+    A missing or blank answer block scores 0. A missing ground truth raises ``ValueError``.
+
+    Args:
+        default_type: problem type for samples whose meta has no ``problem_type`` (EasyR1 data); None requires it.
+        unknown_type: ``"raise"`` a ``ValueError`` naming an unknown or missing problem type, or score it ``"nan"``
+            (does not apply).
+        answer_tag: name of the answer tag, in completions and in wrapped ground truths.
+    """
+
+    modality = "text"
+
+    def __init__(self, default_type: str | None = None, unknown_type: str = "raise", answer_tag: str = "answer"):
+        if unknown_type not in ("raise", "nan"):
+            raise ValueError(f"accuracy: unknown_type must be 'raise' or 'nan'; got {unknown_type!r}")
+        if default_type is not None and canonical_problem_type(default_type) is None:
+            raise ValueError(f"accuracy: unknown default_type {default_type!r}; valid: {', '.join(PROBLEM_TYPES)}")
+        from rouge_score import rouge_scorer
+
+        self.default_type, self.unknown_type, self.answer_tag = default_type, unknown_type, answer_tag
+        self.rouge = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+
+    def score_free_form(self, pred: str, gt: str) -> float:
+        """Mean of the ROUGE-1, ROUGE-2 and ROUGE-L F-measures."""
+        return sum(s.fmeasure for s in self.rouge.score(gt, pred).values()) / 3
+
+    def _rule(self, meta: dict[str, Any], row: int):
+        raw = meta.get("problem_type", self.default_type)
+        kind = None if raw is None else canonical_problem_type(raw)
+        if kind is None:
+            if self.unknown_type == "nan":
+                return None
+            raise ValueError(f"accuracy: unknown problem_type {raw!r} (sample {row}); valid: "
+                             f"{', '.join(PROBLEM_TYPES)}, or set unknown_type='nan'")
+        return {"multiple choice": score_multiple_choice, "numerical": score_numerical, "OCR": score_ocr,
+                "free-form": self.score_free_form, "regression": score_regression}[kind]
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        scores = []
+        for row, (text, meta) in enumerate(zip(completions_or_raise(batch, "accuracy"), batch.meta)):
+            rule = self._rule(meta, row)
+            if rule is None:
+                scores.append(math.nan)
+                continue
+            gt = ground_truth(meta, row, "accuracy", self.answer_tag)
+            pred = last_tagged(text, self.answer_tag)
+            scores.append(rule(pred, gt) if pred else 0.0)
+        return torch.tensor(scores, dtype=torch.float64)
+
+
+@REWARDS.register("length", kind=POINTWISE, modality="text",
+                  description="1 inside [min_len, max_len] characters or words, falling linearly outside")
+class LengthReward(Reward):
+    """A reward on the completion's length ``n``: 1.0 inside ``[min_len, max_len]``, linear outside.
+
+    - below ``min_len``: ``n / min_len``;
+    - above ``max_len``: ``max(0, 1 - (n - max_len) / slack)``, so 0 from ``max_len + slack`` on;
+    - an empty completion scores 0, whatever ``min_len``.
+
+    With ``min_len=0`` this is DAPO's soft overlong punishment (``max_len = L_max - L_cache``, ``slack = L_cache``)
+    shifted from [-1, 0] to [0, 1].
+
+    Args:
+        max_len: the longest length with full reward.
+        min_len: the shortest length with full reward; 0 for no lower bound.
+        slack: the length beyond ``max_len`` over which the reward falls to 0; None means ``max_len``.
+        unit: ``"chars"`` counts characters, ``"tokens"`` whitespace-separated words.
+    """
+
+    modality = "text"
+
+    def __init__(self, max_len: int, min_len: int = 0, slack: int | None = None, unit: str = "chars"):
+        if unit not in ("chars", "tokens"):
+            raise ValueError(f"length: unit must be 'chars' or 'tokens'; got {unit!r}")
+        if not 0 <= min_len <= max_len:
+            raise ValueError(f"length: need 0 <= min_len <= max_len; got min_len {min_len} max_len {max_len}")
+        slack = max_len if slack is None else slack
+        if slack <= 0:
+            raise ValueError(f"length: slack must be > 0; got {slack}")
+        self.min_len, self.max_len, self.slack, self.unit = min_len, max_len, slack, unit
+
+    def score(self, n: int) -> float:
+        """The reward for a completion of length ``n``."""
+        if n == 0:
+            return 0.0
+        if n < self.min_len:
+            return n / self.min_len
+        return max(0.0, 1.0 - max(0, n - self.max_len) / self.slack)
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        texts = completions_or_raise(batch, "length")
+        sizes = [len(t) if self.unit == "chars" else len(t.split()) for t in texts]
+        return torch.tensor([self.score(n) for n in sizes], dtype=torch.float64)
+
+
+_SECONDS_RE = re.compile(r"\d+(?:\.\d+)?")
+
+
+def parse_interval(value: Any) -> tuple[float, float] | None:
+    """``(start, end)`` seconds from ``[s, e]``, ``s-e``, ``s to e`` (exactly two non-negative numbers, start <= end)
+    or from a 2-sequence of numbers; None otherwise."""
+    if isinstance(value, (list, tuple)):
+        numbers = [float(v) for v in value]
+    else:
+        numbers = [float(v) for v in _SECONDS_RE.findall(str(value))]
+    if len(numbers) != 2 or not 0 <= numbers[0] <= numbers[1]:
+        return None
+    return numbers[0], numbers[1]
+
+
+def interval_iou(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """Intersection over union of two intervals; two identical points give 1.0, distinct points 0.0."""
+    inter = max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+    union = (a[1] - a[0]) + (b[1] - b[0]) - inter
+    if union == 0:
+        return float(a == b)
+    return inter / union
+
+
+@REWARDS.register("temporal_iou", kind=POINTWISE, modality="text",
+                  description="IoU of the answered [start, end] seconds with the ground-truth interval")
+class TemporalIoU(Reward):
+    """Temporal grounding: IoU of the interval in the last answer block with ``meta["solution"]``.
+
+    The answer is read by :func:`parse_interval` (``[12.5, 17]``, ``12.5-17``, ``12.5s to 17s``); a missing or
+    unparsable answer, or one with start > end, scores 0. The ground truth may be a list ``[s, e]`` or text in the
+    same forms, wrapped in answer tags or not; an unparsable ground truth raises ``ValueError``.
+
+    Args:
+        answer_tag: name of the answer tag.
+    """
+
+    modality = "text"
+
+    def __init__(self, answer_tag: str = "answer"):
+        self.answer_tag = answer_tag
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        scores = []
+        for row, (text, meta) in enumerate(zip(completions_or_raise(batch, "temporal_iou"), batch.meta)):
+            raw = meta.get("solution", meta.get("answer"))
+            gt = parse_interval(raw if isinstance(raw, (list, tuple)) else
+                                ground_truth(meta, row, "temporal_iou", self.answer_tag))
+            if gt is None:
+                raise ValueError(f"temporal_iou: sample {row} ground truth {raw!r} is not an interval [start, end]")
+            answer = last_tagged(text, self.answer_tag)
+            pred = None if answer is None else parse_interval(answer)
+            scores.append(0.0 if pred is None else interval_iou(pred, gt))
+        return torch.tensor(scores, dtype=torch.float64)

@@ -1,0 +1,141 @@
+"""The reward interface: every way of writing a reward, as a user would, through build_reward and RewardZoo."""
+
+import math
+import textwrap
+
+import pytest
+import torch
+
+from mmgrpo.config import RewardSpec
+from mmgrpo.registry import REWARDS
+from mmgrpo.rewards import FunctionReward, RewardBatch, RewardZoo, build_reward
+from mmgrpo.rewards.base import is_trl_signature
+
+USER_MODULE = '''
+import torch
+
+
+def plain(batch):
+    """A plain function reward: the prompt length."""
+    return [float(len(p)) for p in batch.prompts]
+
+
+def trl_style(prompts, completions, solution, **kwargs):
+    """TRL signature: meta columns arrive as keyword lists; None means not applicable."""
+    return [None if s is None else float(c == s) for c, s in zip(completions, solution)]
+
+
+def sees_inputs(batch):
+    """Reads the input images and the per-sample meta."""
+    return batch.images.mean(dim=(1, 2, 3)) * torch.tensor([m["scale"] for m in batch.meta])
+
+
+def sub_scores(batch):
+    return {"a": [1.0, 2.0], "b": [3.0, float("nan")]}
+
+
+def with_score(batch):
+    return {"score": [5.0, 6.0], "extra": [0.0, 0.0]}
+
+
+def with_nan(batch):
+    return torch.tensor([float("nan"), 0.5])
+
+
+def wrong_length(batch):
+    return [1.0, 2.0, 3.0]
+'''
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """A user's reward file on sys.path, referenced as ``user_rewards_mod:fn``."""
+    (tmp_path / "user_rewards_mod.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "user_rewards_mod"
+
+
+def batch2(**fields):
+    return RewardBatch(prompts=["a", "bcd"], group=torch.zeros(2, dtype=torch.long), **fields)
+
+
+def zoo(*names, **args):
+    return RewardZoo([RewardSpec(name=n, args=args) for n in names])
+
+
+def test_plain_function_by_import_path(user_module):
+    reward = build_reward(f"{user_module}:plain")
+    assert isinstance(reward, FunctionReward) and reward.kind == "pointwise"
+    main, logged, seconds = zoo(f"{user_module}:plain")(batch2())
+    assert main[:, 0].tolist() == [1.0, 3.0]
+    assert list(logged) == [f"{user_module}:plain"] and seconds[f"{user_module}:plain"] >= 0
+
+
+def test_trl_style_function_is_wrapped(user_module):
+    from user_rewards_mod import plain, trl_style
+
+    assert is_trl_signature(trl_style) and not is_trl_signature(plain)
+    reward = build_reward(f"{user_module}:trl_style")
+    assert reward.modality == "text"
+    batch = batch2(completions=["x", "y"], meta=[{"solution": "x"}, {"solution": None}])
+    out = reward(batch)
+    assert out[0].item() == 1.0 and math.isnan(out[1])
+
+
+def test_custom_reward_sees_images_and_meta(user_module):
+    images = torch.stack([torch.full((3, 4, 4), 0.25), torch.full((3, 4, 4), 1.0)])
+    batch = batch2(images=images, meta=[{"scale": 2.0}, {"scale": 3.0}])
+    main, _, _ = zoo(f"{user_module}:sees_inputs")(batch)
+    assert main[:, 0].tolist() == [0.5, 3.0]
+
+
+def test_sub_scores_main_column_and_logged_names(user_module):
+    name = f"{user_module}:sub_scores"
+    main, logged, _ = zoo(name)(batch2())
+    assert sorted(logged) == [f"{name}/a", f"{name}/b"]
+    assert main[:, 0].tolist() == [2.0, 2.0]  # no 'score' key: nan-mean of the sub-scores
+    main, logged, _ = zoo(f"{user_module}:with_score")(batch2())
+    assert main[:, 0].tolist() == [5.0, 6.0]  # the 'score' sub-score is the main column
+    assert f"{user_module}:with_score/extra" in logged
+
+
+def test_nan_passes_through(user_module):
+    main, logged, _ = zoo(f"{user_module}:with_nan")(batch2())
+    assert math.isnan(main[0, 0]) and main[1, 0] == 0.5
+    assert math.isnan(logged[f"{user_module}:with_nan"][0])
+
+
+def test_wrong_length_output_is_a_clear_error(user_module):
+    with pytest.raises(ValueError, match=f"reward '{user_module}:wrong_length' returned 3 scores for a batch of 2"):
+        zoo(f"{user_module}:wrong_length")(batch2())
+
+
+def test_builtin_rewards_mix_in_one_zoo():
+    specs = [RewardSpec(name="format"), RewardSpec(name="accuracy", weight=2.0),
+             RewardSpec(name="length", args={"max_len": 100})]
+    batch = batch2(completions=["<think>t</think><answer>B</answer>", "<answer>A</answer>"],
+                   meta=[{"problem_type": "multiple choice", "solution": "B"}] * 2)
+    main, logged, _ = RewardZoo(specs)(batch)
+    assert main.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 1.0]]
+    assert sorted(logged) == ["accuracy", "format", "length"]
+
+
+def test_registry_lists_the_rule_rewards_with_kind_and_modality():
+    expected = {
+        "format": ("pointwise", "text"), "accuracy": ("pointwise", "text"), "length": ("pointwise", "text"),
+        "temporal_iou": ("pointwise", "text"), "jpeg_compressibility": ("pointwise", "image"),
+        "jpeg_incompressibility": ("pointwise", "image"), "sharpness": ("pointwise", "image"),
+        "color_fraction": ("pointwise", "image"), "win_rate": ("groupwise", "any"),
+    }
+    listed = {e.name: e for e in REWARDS}
+    for name, (kind, modality) in expected.items():
+        info = listed[name].info
+        assert (info["kind"], info["modality"]) == (kind, modality), name
+        assert info["description"] and "\n" not in info["description"]
+        reward_cls = listed[name].obj
+        assert (reward_cls.kind, reward_cls.modality) == (kind, modality), name  # class agrees with the listing
+
+
+def test_unknown_reward_name_suggests_a_close_one():
+    with pytest.raises(KeyError, match="did you mean 'accuracy'"):
+        build_reward("acuracy")

@@ -1,0 +1,238 @@
+"""Text rule rewards against hand-computed references."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmgrpo.rewards import RewardBatch, build_reward
+from mmgrpo.rewards.text_rules import canonical_problem_type, normalize_choice, parse_interval, parse_number
+
+
+def text_batch(completions, meta=None):
+    n = len(completions)
+    return RewardBatch(prompts=["q"] * n, group=torch.zeros(n, dtype=torch.long), completions=list(completions),
+                       meta=meta or [])
+
+
+def score(name, completions, meta=None, **args):
+    return build_reward(name, args)(text_batch(completions, meta)).tolist()
+
+
+# ---------------------------------------------------------------- format
+
+@pytest.mark.parametrize("text, expected", [
+    ("<think>a</think><answer>B</answer>", 1.0),
+    ("\n  <think>\nstep 1\nstep 2\n</think>\n\n<answer> B </answer>\n", 1.0),
+    ("<think></think><answer>B</answer>", 1.0),  # an empty think block is still the format
+    ("", 0.0),
+    ("<answer>B</answer>", 0.0),  # no think block
+    ("Sure! <think>a</think><answer>B</answer>", 0.0),  # text before
+    ("<think>a</think><answer>B</answer> done", 0.0),  # text after
+    ("<think>a</think><answer>A</answer><answer>B</answer>", 0.0),  # two answers
+    ("<think>a</think><answer>  </answer>", 0.0),  # blank answer
+    ("<think>a <answer>A</answer></think><answer>B</answer>", 0.0),  # answer tag inside think
+    ("<think>a</think> middle <answer>B</answer>", 0.0),
+    ("<answer>B</answer><think>a</think>", 0.0),  # wrong order
+])
+def test_format_strict(text, expected):
+    assert score("format", [text]) == [expected]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<answer>B</answer>", 1.0),
+    ("The red ball is left of the cube, so B.\n<answer>B</answer>\n", 1.0),
+    ("<think>a</think><answer>B</answer>", 1.0),
+    ("", 0.0),
+    ("B", 0.0),
+    ("<answer>B</answer> trailing", 0.0),
+    ("<answer>A</answer> <answer>B</answer>", 0.0),
+    ("<answer></answer>", 0.0),
+])
+def test_format_without_think(text, expected):
+    assert score("format", [text], require_think=False) == [expected]
+
+
+def test_format_custom_tags():
+    good = "<reasoning>x</reasoning><final>7</final>"
+    assert score("format", [good, "<think>x</think><answer>7</answer>"], think_tag="reasoning",
+                 answer_tag="final") == [1.0, 0.0]
+
+
+def test_format_needs_completions():
+    batch = RewardBatch(prompts=["p"], group=torch.zeros(1, dtype=torch.long), images=torch.zeros(1, 3, 4, 4))
+    with pytest.raises(ValueError, match="'format' needs text completions"):
+        build_reward("format")(batch)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab <>/thinkanswer\n")), max_size=60))
+def test_format_is_binary_on_any_text(text):
+    assert score("format", [text])[0] in (0.0, 1.0)
+    assert score("format", [text], require_think=False)[0] in (0.0, 1.0)
+
+
+# ---------------------------------------------------------------- accuracy
+
+def acc(pred, gt, problem_type, **args):
+    return score("accuracy", [f"<think>...</think><answer>{pred}</answer>"],
+                 [{"problem_type": problem_type, "solution": f"<answer>{gt}</answer>"}], **args)[0]
+
+
+@pytest.mark.parametrize("pred, gt, expected", [
+    ("B", "B", 1.0), ("b", "B", 1.0), (" B. ", "B", 1.0), ("B)", "B", 1.0), ("(B)", "B", 1.0),
+    ("B. a red ball", "B", 1.0), ("(B) a red ball", "B", 1.0), ("B: a red ball", "B", 1.0),
+    ("C", "B", 0.0), ("A cat", "A", 0.0), ("a red ball", "B", 0.0), ("B", "B. a red ball", 1.0),
+])
+def test_accuracy_multiple_choice(pred, gt, expected):
+    assert acc(pred, gt, "multiple choice") == expected
+
+
+@pytest.mark.parametrize("text, letter", [("b", "B"), ("(c).", "C"), ("D: x", "D"), ("A cat", "A CAT"),
+                                          ("yes.", "YES")])
+def test_normalize_choice(text, letter):
+    assert normalize_choice(text) == letter
+
+
+@pytest.mark.parametrize("pred, gt, expected", [
+    ("3", "3", 1.0), ("3.0", "3", 1.0), ("1,000", "1000", 1.0), ("1,000,000.5", "1000000.5", 1.0),
+    ("3.004", "3", 1.0),  # rounds to 3.00
+    ("3.006", "3", 0.0),  # rounds to 3.01
+    ("-2.5", "-2.5", 1.0), ("4", "3", 0.0),
+    ("\\frac{1}{2}", "0.5", 1.0),  # math-verify fallback
+    ("\\frac{1}{3}", "0.5", 0.0),
+    ("three", "3", 0.0),
+])
+def test_accuracy_numerical(pred, gt, expected):
+    assert acc(pred, gt, "numerical") == expected
+
+
+@pytest.mark.parametrize("text, value", [("1,000", 1000.0), (" 3.0 ", 3.0), ("1e3", 1000.0), ("12,34", None),
+                                         ("nan", None), ("inf", None), ("", None), ("3 apples", None)])
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+def test_accuracy_ocr_is_one_minus_wer():
+    assert acc("the cat sat on", "the cat sat on", "OCR") == 1.0
+    assert acc("the cat sat", "the cat sat on", "OCR") == pytest.approx(0.75)  # 1 deletion / 4 words
+    assert acc("The cat sat on", "the cat sat on", "OCR") == pytest.approx(0.75)  # case-sensitive
+    assert acc("x y z w v", "a", "OCR") == 0.0  # WER 5 is clipped
+
+
+def test_accuracy_free_form_is_mean_rouge():
+    # ROUGE-1 F: P 2/2, R 2/3 -> 0.8; ROUGE-2 F: P 1/1, R 1/2 -> 2/3; ROUGE-L F (LCS 2): 0.8
+    assert acc("the cat", "the cat sat", "free-form") == pytest.approx((0.8 + 2 / 3 + 0.8) / 3)
+    assert acc("The cat sat.", "the cat sat", "free-form") == pytest.approx(1.0)
+    assert acc("dog", "the cat sat", "free-form") == 0.0
+
+
+@pytest.mark.parametrize("pred, gt, expected", [
+    ("8", "10", 0.8), ("12", "10", 0.8), ("10", "10", 1.0), ("25", "10", 0.0), ("-8", "-10", 0.8),
+    ("0", "0", 1.0), ("0.1", "0", 0.0), ("about ten", "10", 0.0),
+])
+def test_accuracy_regression(pred, gt, expected):
+    assert acc(pred, gt, "regression") == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("alias", ["multiple_choice", "Multiple-Choice", "MULTIPLE CHOICE", "mc"])
+def test_problem_type_aliases(alias):
+    assert canonical_problem_type(alias) == "multiple choice"
+    assert acc("B", "B", alias) == 1.0
+
+
+def test_answer_only_from_last_answer_block():
+    meta = [{"problem_type": "multiple choice", "solution": "<answer>B</answer>"}] * 6
+    completions = [
+        "<think>it is B</think> B",  # no answer block: the ground truth elsewhere in the text pays nothing
+        "<answer></answer>",  # blank answer
+        "",  # empty completion
+        "<answer>A</answer> on second thought <answer>B</answer>",
+        "<answer>B</answer> on second thought <answer>A</answer>",
+        "B",
+    ]
+    assert score("accuracy", completions, meta) == [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(max_size=40).filter(lambda t: "<answer>" not in t))
+def test_no_answer_block_never_pays(text):
+    meta = [{"problem_type": t, "solution": "B"} for t in ("multiple choice", "OCR", "free-form")]
+    assert score("accuracy", [text + " B"] * 3, meta) == [0.0, 0.0, 0.0]
+
+
+def test_ground_truth_sources():
+    completions = ["<answer>7</answer>"] * 3
+    meta = [{"problem_type": "numerical", "solution": "<answer>7</answer>"},
+            {"problem_type": "numerical", "answer": 7},  # EasyR1 column, not a string
+            {"answer": "7"}]  # no problem_type: default_type applies
+    assert score("accuracy", completions, meta, default_type="numerical") == [1.0, 1.0, 1.0]
+
+
+def test_accuracy_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"unknown problem_type 'essay' \(sample 1\); valid: multiple choice"):
+        score("accuracy", ["<answer>B</answer>"] * 2,
+              [{"problem_type": "OCR", "solution": "B"}, {"problem_type": "essay", "solution": "B"}])
+    with pytest.raises(ValueError, match="unknown problem_type None"):
+        score("accuracy", ["<answer>B</answer>"], [{"solution": "B"}])
+    with pytest.raises(ValueError, match="sample 0 has no 'solution' or 'answer'"):
+        score("accuracy", ["<answer>B</answer>"], [{"problem_type": "OCR"}])
+    with pytest.raises(ValueError, match="empty ground truth"):
+        score("accuracy", ["<answer>B</answer>"], [{"problem_type": "OCR", "solution": "<answer> </answer>"}])
+    with pytest.raises(ValueError, match="unknown_type must be"):
+        build_reward("accuracy", {"unknown_type": "skip"})
+    with pytest.raises(ValueError, match="unknown default_type 'essay'"):
+        build_reward("accuracy", {"default_type": "essay"})
+
+
+def test_unknown_type_can_mean_does_not_apply():
+    meta = [{"problem_type": "essay", "solution": "B"}, {"problem_type": "multiple choice", "solution": "B"}]
+    out = score("accuracy", ["<answer>B</answer>"] * 2, meta, unknown_type="nan")
+    assert math.isnan(out[0]) and out[1] == 1.0
+
+
+# ---------------------------------------------------------------- length
+
+@pytest.mark.parametrize("n, expected", [(0, 0.0), (5, 0.5), (10, 1.0), (15, 1.0), (20, 1.0), (25, 0.5),
+                                         (30, 0.0), (45, 0.0)])
+def test_length_piecewise_linear(n, expected):
+    assert score("length", ["x" * n], max_len=20, min_len=10, slack=10) == [pytest.approx(expected)]
+
+
+def test_length_units_and_defaults():
+    # tokens are whitespace-separated words; slack defaults to max_len
+    assert score("length", ["a  b\nc", "a b c d e f"], max_len=4, unit="tokens") == [1.0, 0.5]
+    assert score("length", ["", "x"], max_len=4) == [0.0, 1.0]  # empty is 0 even with no lower bound
+    for bad in ({"max_len": 5, "min_len": 6}, {"max_len": 5, "unit": "bytes"}, {"max_len": 5, "slack": 0}):
+        with pytest.raises(ValueError, match="length: "):
+            build_reward("length", bad)
+
+
+# ---------------------------------------------------------------- temporal IoU
+
+@pytest.mark.parametrize("answer, expected", [
+    ("[2, 6]", 1 / 3),  # overlap [4, 6] = 2, union [2, 8] = 6
+    ("4-8", 1.0), ("4.0s to 8.0s", 1.0), ("(5, 7)", 0.5),
+    ("[0, 3]", 0.0),  # disjoint
+    ("[8, 4]", 0.0),  # reversed
+    ("around four seconds", 0.0), ("[1, 2, 3]", 0.0),
+])
+def test_temporal_iou(answer, expected):
+    out = score("temporal_iou", [f"<think>t</think><answer>{answer}</answer>"], [{"solution": [4, 8]}])
+    assert out == [pytest.approx(expected)]
+
+
+def test_temporal_iou_ground_truth_forms_and_missing_answer():
+    completions = ["<answer>[4, 8]</answer>", "<answer>[4, 8]</answer>", "[4, 8]"]
+    meta = [{"solution": "<answer>[4, 8]</answer>"}, {"solution": "4.0 - 8.0"}, {"solution": [4, 8]}]
+    assert score("temporal_iou", completions, meta) == [1.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="sample 0 ground truth 'soon' is not an interval"):
+        score("temporal_iou", ["<answer>[1, 2]</answer>"], [{"solution": "soon"}])
+
+
+def test_parse_interval_points():
+    assert parse_interval("[3, 3]") == (3.0, 3.0)
+    assert parse_interval((1, 2.5)) == (1.0, 2.5)
+    assert parse_interval("5") is None

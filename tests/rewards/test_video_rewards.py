@@ -1,0 +1,148 @@
+"""Video rewards: an image reward over sampled frames, and CLIP temporal consistency (tiny models from conftest.py)."""
+
+from __future__ import annotations
+
+import math
+
+import open_clip
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmgrpo.registry import REWARDS
+from mmgrpo.rewards import FunctionReward, RewardBatch, build_reward
+from mmgrpo.rewards.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from mmgrpo.rewards.video import sample_frame_indices
+
+PROMPTS = ["a red cube spinning", "waves on a beach", "a cat jumps"]
+
+
+def random_videos(b: int, t: int, height: int = 32, width: int = 32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (b, t, 3, height, width), generator=g).float() / 255
+
+
+def video_batch(videos: torch.Tensor, prompts: list[str]) -> RewardBatch:
+    return RewardBatch(prompts=list(prompts), group=torch.tensor([0, 0, 1][: len(prompts)]), videos=videos)
+
+
+def clip_args(tiny) -> dict:
+    return {"model_name": tiny.clip_config, "pretrained": tiny.clip_checkpoint, "device": "cpu"}
+
+
+class Recorder(FunctionReward):
+    """An image reward whose score is each image's mean brightness; it records every batch it is called with."""
+
+    def __init__(self, output: str = "tensor"):
+        super().__init__(self.score, modality="image")
+        self.calls: list[RewardBatch] = []
+        self.output = output
+
+    def score(self, batch: RewardBatch):
+        self.calls.append(batch)
+        brightness = batch.images.mean(dim=(1, 2, 3)).double()
+        if self.output == "dict":
+            return {"bright": brightness, "dark": 1 - brightness}
+        return brightness
+
+
+def test_registered_as_video_rewards():
+    for name in ("video_frames", "temporal_consistency"):
+        info = REWARDS.entry(name).info
+        assert info["kind"] == "pointwise" and info["modality"] == "video" and info["description"]
+
+
+def test_frames_are_sampled_evenly():
+    assert sample_frame_indices(10, 4).tolist() == [0, 3, 6, 9]
+    assert sample_frame_indices(17, 5).tolist() == [0, 4, 8, 12, 16]
+    assert sample_frame_indices(3, 8).tolist() == [0, 1, 2]
+    assert sample_frame_indices(6, None).tolist() == list(range(6))
+    assert sample_frame_indices(9, 1).tolist() == [4]
+
+
+@pytest.mark.parametrize("reduce", ["mean", "min"])
+def test_video_frames_reduces_sampled_frames_in_one_call(reduce):
+    levels = torch.tensor([[0.1, 0.9, 0.5, 0.3, 0.7], [0.6, 0.2, 0.4, 0.8, 0.0]])  # per-frame brightness
+    videos = levels.view(2, 5, 1, 1, 1).expand(2, 5, 3, 8, 8).contiguous()
+    inner = Recorder()
+    reward = build_reward("video_frames", {"image_reward": inner, "frames": 3, "reduce": reduce})
+    scores = reward(video_batch(videos, PROMPTS[:2]))
+    picked = levels[:, [0, 2, 4]].double()  # frames 0, 2, 4 of 5
+    expected = picked.mean(1) if reduce == "mean" else picked.min(1).values
+    torch.testing.assert_close(scores, expected)
+    assert len(inner.calls) == 1
+    call = inner.calls[0]
+    assert call.images.shape == (6, 3, 8, 8)
+    assert call.prompts == [PROMPTS[0]] * 3 + [PROMPTS[1]] * 3
+    assert call.group.tolist() == [0, 0, 0, 0, 0, 0]
+    assert [m["video_frame"] for m in call.meta] == [0, 2, 4] * 2
+
+
+def test_video_frames_sub_scores_nan_frames_and_bad_inner():
+    videos = torch.tensor([0.2, 0.6]).view(1, 2, 1, 1, 1).expand(1, 2, 3, 4, 4)
+    out = build_reward("video_frames", {"image_reward": Recorder("dict"), "frames": None})(
+        video_batch(videos, PROMPTS[:1]))
+    torch.testing.assert_close(out["bright"], torch.tensor([0.4], dtype=torch.float64))
+    torch.testing.assert_close(out["dark"], torch.tensor([0.6], dtype=torch.float64))
+
+    def half_nan(batch):
+        return torch.tensor([math.nan, 0.5, math.nan, math.nan])
+
+    for reduce in ("mean", "min"):
+        reward = build_reward("video_frames", {"image_reward": FunctionReward(half_nan, modality="image"),
+                                               "frames": None, "reduce": reduce})
+        scores = reward(video_batch(torch.rand(2, 2, 3, 4, 4), PROMPTS[:2]))
+        assert scores[0].item() == 0.5 and math.isnan(scores[1].item())
+    with pytest.raises(ValueError, match="not an image reward"):
+        build_reward("video_frames", {"image_reward": FunctionReward(half_nan, modality="text")})
+    with pytest.raises(ValueError, match="reduce"):
+        build_reward("video_frames", {"image_reward": Recorder(), "reduce": "max"})
+    with pytest.raises(ValueError, match="needs videos"):
+        build_reward("video_frames", {"image_reward": Recorder()})(
+            RewardBatch(prompts=["x"], group=torch.zeros(1), images=torch.rand(1, 3, 4, 4)))
+
+
+@pytest.mark.parametrize("reduce", ["mean", "min"])
+def test_video_frames_with_clip_score_by_name_matches_frame_by_frame(reduce, tiny_models):
+    videos = random_videos(3, 6, seed=1)
+    reward = build_reward("video_frames", {"image_reward": "clip_score", "image_reward_args": clip_args(tiny_models),
+                                           "frames": 3, "reduce": reduce})
+    scores = reward(video_batch(videos, PROMPTS))
+    image_reward = build_reward("clip_score", clip_args(tiny_models))
+    per_frame = torch.stack([
+        image_reward(RewardBatch(prompts=PROMPTS, group=torch.arange(3), images=videos[:, t])) for t in (0, 2, 5)
+    ], 1)
+    expected = per_frame.mean(1) if reduce == "mean" else per_frame.min(1).values
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=0)
+
+
+def test_temporal_consistency_static_changing_and_single_frame(tiny_models):
+    reward = build_reward("temporal_consistency", {**clip_args(tiny_models), "frames": None})
+    static = random_videos(2, 1, seed=2).expand(2, 5, 3, 32, 32)
+    torch.testing.assert_close(reward(video_batch(static, PROMPTS[:2])), torch.ones(2, dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+    moving = random_videos(2, 4, seed=3)
+    scores = reward(video_batch(moving, PROMPTS[:2]))
+    model = open_clip.create_model(tiny_models.clip_name).eval()
+    model.load_state_dict(torch.load(tiny_models.clip_checkpoint))
+    mean = torch.tensor(OPENAI_CLIP_MEAN).view(1, 3, 1, 1)
+    std = torch.tensor(OPENAI_CLIP_STD).view(1, 3, 1, 1)
+    with torch.no_grad():
+        feats = F.normalize(model.encode_image((moving.flatten(0, 1) - mean) / std), dim=-1).view(2, 4, -1)
+    expected = torch.stack([(feats[:, t] * feats[:, t + 1]).sum(-1) for t in range(3)], 1).mean(1)
+    torch.testing.assert_close(scores.float(), expected, atol=1e-5, rtol=0)
+    assert (scores < 1 - 1e-3).all() and (scores >= -1).all()
+    single = reward(video_batch(random_videos(2, 1), PROMPTS[:2]))
+    assert torch.isnan(single).all()
+
+
+def test_temporal_consistency_samples_frames_and_takes_grayscale(tiny_models, no_file_writes):
+    reward = build_reward("temporal_consistency", {**clip_args(tiny_models), "frames": 3})
+    videos = random_videos(2, 7, 40, 48, seed=4)
+    with no_file_writes as writes:
+        sampled = reward(video_batch(videos, PROMPTS[:2]))
+    assert writes == []
+    torch.testing.assert_close(sampled, reward(video_batch(videos[:, [0, 3, 6]], PROMPTS[:2])), atol=1e-6, rtol=0)
+    gray = videos[:, :, :1]
+    torch.testing.assert_close(reward(video_batch(gray, PROMPTS[:2])),
+                               reward(video_batch(gray.expand(-1, -1, 3, -1, -1), PROMPTS[:2])), atol=1e-6, rtol=0)
