@@ -110,9 +110,27 @@ class Policy(ABC):
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    @property
+    def is_main_process(self) -> bool:
+        acc = getattr(self, "accelerator", None)
+        return acc is None or acc.is_main_process
+
+    def unwrapped_model(self) -> nn.Module:
+        """``model`` without its DDP/FSDP/DeepSpeed wrapper."""
+        acc = getattr(self, "accelerator", None)
+        return acc.unwrap_model(self.model) if acc is not None else self.model
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (gathered) state dict of ``model``; collective under FSDP / ZeRO-3, so call it on every
+        process. Only the main process gets the complete dict."""
+        acc = getattr(self, "accelerator", None)
+        return acc.get_state_dict(self.model) if acc is not None else self.model.state_dict()
+
     @abstractmethod
     def save(self, directory: Path) -> None:
-        """Write the trainable weights in their user-facing format (PEFT adapter or full model, safetensors)."""
+        """Write the trainable weights in their user-facing format (PEFT adapter or full model, safetensors).
+
+        Called on every process (gathering sharded weights is collective); only the main process writes."""
 
     @abstractmethod
     def load(self, directory: Path) -> None:

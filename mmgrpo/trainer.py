@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +83,11 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
         """Save the policy in its user-facing format instead of accelerate's full model dump (a LoRA run saves the
-        adapter, not the frozen base), plus the EMA shadows."""
-        if self.accelerator.is_main_process:
-            self.policy.save(Path(output_dir) / "policy")
-            if self.ema is not None:
-                save_file(self.ema.state_dict(), str(Path(output_dir) / "ema.safetensors"))
+        adapter, not the frozen base), plus the EMA shadows. Runs on every process: gathering sharded weights
+        (FSDP, DeepSpeed ZeRO-3) is collective; only the main process writes."""
+        self.policy.save(Path(output_dir) / "policy")
+        if self.ema is not None and self.accelerator.is_main_process:
+            save_file(self.ema.state_dict(), str(Path(output_dir) / "ema.safetensors"))
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
@@ -157,6 +158,18 @@ class Trainer:
         per_update = math.ceil(len(micro) / t.updates_per_rollout)
         return [micro[i:i + per_update] for i in range(0, len(micro), per_update)]
 
+    @contextmanager
+    def _accumulating(self, last_pass: bool) -> Iterator[None]:
+        """A backward pass that is not the last of an update keeps its gradients local (no all-reduce) and, under
+        DeepSpeed, does not step the engine; the last pass synchronises."""
+        acc = self.accelerator
+        acc.gradient_state._set_sync_gradients(last_pass)
+        try:
+            with nullcontext() if last_pass else acc.no_sync(self.policy.model):
+                yield
+        finally:
+            acc.gradient_state._set_sync_gradients(True)
+
     @torch.no_grad()
     def recompute_old_logp(self, rollout: Rollout) -> float:
         """Replace ``rollout.old_logp`` by log-probs from the training forward path in the first epoch's chunking.
@@ -207,7 +220,7 @@ class Trainer:
                         w, m = w_rows[:, cols], mask[rows][:, cols]
                         old, adv = rollout.old_logp[rows][:, cols], unit_adv[rows][:, cols]
                         last_pass = b == len(micro_batches) - 1 and c == len(chunks) - 1
-                        with acc.autocast(), (nullcontext() if last_pass else acc.no_sync(self.policy.model)):
+                        with acc.autocast(), self._accumulating(last_pass):
                             out = self.policy.log_probs(rollout, rows, units, with_kl=g.kl_beta > 0)
                             unit_loss, ratio, clipped = self.loss_fn(
                                 logp=out.logp.float(), old_logp=old, advantages=adv, mask=m, clip_low=g.clip_eps,

@@ -114,17 +114,14 @@ class ToyPolicy(Policy):
                            completions=[" ".join(map(str, row.tolist())) for row in tokens],
                            meta=[{"target": it["target"]} for it in items])
 
-    def _unwrapped(self) -> nn.Module:
-        acc = getattr(self, "accelerator", None)
-        return acc.unwrap_model(self.model) if acc is not None else self.model
-
     def save(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.contiguous() for k, v in self._unwrapped().state_dict().items()}
-        save_file(state, str(directory / "model.safetensors"))
+        state = self.full_state_dict()
+        if self.is_main_process:
+            directory.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
 
     def load(self, directory: Path) -> None:
-        self._unwrapped().load_state_dict(load_file(str(directory / "model.safetensors")))
+        self.unwrapped_model().load_state_dict(load_file(str(directory / "model.safetensors")))
 
 
 PIPELINE = PipelineSpec(config_class=ToyConfig, build=ToyPolicy, description="categorical bandit for tests")
