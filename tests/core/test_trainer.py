@@ -118,11 +118,20 @@ def test_kill_and_resume_matches_an_uninterrupted_run(tmp_path, support_env):
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3", "cpu_2proc"])
+def test_shipped_accelerate_configs_parse(name):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    path = SUPPORT.parents[1] / "configs" / "accelerate" / f"{name}.yaml"
+    cfg = ClusterConfig.from_yaml_file(str(path))
+    assert cfg.num_processes >= 2 and cfg.distributed_type.value in {"MULTI_GPU", "FSDP", "DEEPSPEED"}
+
+
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
 def test_two_processes_gather_whole_groups_and_stay_in_sync(tmp_path, support_env):
     out = tmp_path / "ddp.json"
-    cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29517",
+    config = SUPPORT.parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
+    cmd = ["accelerate", "launch", "--config_file", str(config), "--main_process_port", "29517",
            str(SUPPORT / "ddp_check.py"), str(out), str(tmp_path / "run")]
     proc = subprocess.run(cmd, env=support_env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
