@@ -133,4 +133,6 @@ ROLLOUT_MODES = Registry("rollout mode", builtin_modules=("mmgrpo.pipelines.flow
 MODEL_ADAPTERS = Registry("model adapter", builtin_modules=("mmgrpo.pipelines.flow.adapters",
                                                            "mmgrpo.pipelines.vlm.model"))
 PIPELINES = Registry("pipeline", builtin_modules=("mmgrpo.pipelines",))
+TASKS = Registry("task", builtin_modules=("mmgrpo.tasks",))
+"""Synthetic tasks (``data.train_prompts: task:NAME``): objects with ``items(split) -> list[dict]``."""
 
