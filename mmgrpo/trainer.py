@@ -282,16 +282,16 @@ class Trainer:
         return means
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average scalar metrics over processes (max for the *max_dev keys)."""
+        """Average scalar metrics over processes (max for the *max_dev keys). Processes may report different keys
+        (a counter only one of them hit); each key is reduced over the processes that have it."""
         if self.accelerator.num_processes == 1:
             return metrics
-        keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        gathered = self._gather(values[None]).reshape(-1, len(keys))
-        out = dict(metrics)
-        for i, k in enumerate(keys):
-            out[k] = gathered[:, i].max().item() if "max_dev" in k else gathered[:, i].mean().item()
-        return out
+        merged: dict[str, list[float]] = {}
+        for part in gather_object([metrics]):
+            for k, v in part.items():
+                if isinstance(v, (int, float)) and v is not None:
+                    merged.setdefault(k, []).append(float(v))
+        return {k: (max(v) if "max_dev" in k else sum(v) / len(v)) for k, v in merged.items()}
 
     # ----------------------------------------------------------------------------------------- the loop
     def train(self) -> list[dict[str, Any]]:

@@ -141,6 +141,7 @@ def test_two_processes_gather_whole_groups_and_stay_in_sync(tmp_path, support_en
     assert result["local_vs_global_diff"] > 1e-3, "batch std must come from both processes"
     assert result["param_rank_diff"] == 0.0 and result["param_change"] > 0
     assert result["distinct_groups"] == 4 and result["groups_per_rank"] == [2, 2]
+    assert result["reduced"] == {"loss": 0.5, "only/rank0": 1.0, "only/rank1": 1.0, "ratio/max_dev": 0.1}
 
 
 def test_in_loop_evaluation_logs_heldout_scores_and_samples(tmp_path):
