@@ -69,8 +69,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     policy = _policy_and_weights(cfg)
-    _, eval_items = policy.datasets()
-    items = [{"prompt": p} for p in args.prompt] if args.prompt else eval_items[: args.num]
+    train_items, eval_items = policy.datasets()
+    known = {item["prompt"]: item for item in train_items + eval_items}
+    items = [known.get(p, {"prompt": p}) for p in args.prompt] if args.prompt else eval_items[: args.num]
     batch = policy.generate(items)
     for path in policy.save_samples(batch, Path(cfg.output_dir) / "samples", "sample"):
         print(f"wrote {path}")

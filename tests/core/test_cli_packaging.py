@@ -51,3 +51,34 @@ def test_pipelines_and_rewards_import_only_under_mmgrpo():
 
     assert Path(mmgrpo.pipelines.__file__).parent == ROOT / "pipelines"
     assert Path(mmgrpo.rewards.__file__).parent == ROOT / "rewards"
+
+
+def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, support_env):
+    import json
+
+    import yaml
+
+    preset = tmp_path / "toy.yaml"
+    preset.write_text(yaml.safe_dump({"pipeline": "toy_bandit:PIPELINE", "output_dir": str(tmp_path / "run"),
+                                      "train": {"max_steps": 12, "save_every": 6},
+                                      "optim": {"lr": 0.2}, "logging": {"tensorboard": False}}))
+    trained = run("train", str(preset), env=support_env)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "reward/mean" in trained.stdout  # the end-of-run summary table
+    base = run("eval", str(preset), f"output_dir={tmp_path / 'base'}", env=support_env)
+    tuned = run("eval", str(preset), "resume=latest", env=support_env)
+    assert base.returncode == 0 and tuned.returncode == 0, base.stderr + tuned.stderr
+    before = json.loads((tmp_path / "base" / "eval.json").read_text())["rewards"]
+    after = json.loads((tmp_path / "run" / "eval.json").read_text())["rewards"]
+    key = "toy_bandit:match_reward"
+    assert after[key] > before[key], (before, after)
+    sampled = run("sample", str(preset), "resume=latest", "--prompt", "prompt 3", env=support_env)
+    assert sampled.returncode == 0 and (tmp_path / "run" / "samples" / "sample.txt").read_text().startswith("prompt 3")
+    missing = run("eval", str(preset), f"output_dir={tmp_path / 'empty'}", "resume=latest", env=support_env)
+    assert missing.returncode == 2 and "no checkpoint" in missing.stderr
+
+
+def test_demo_says_what_it_will_do_and_fails_until_assets_exist():
+    proc = run("demo")
+    assert proc.returncode != 0 and "not available yet" in proc.stderr
+    assert not re.search(r"\d+(\.\d+)?\s*%|before\s*[:=]\s*\d", proc.stdout + proc.stderr)
