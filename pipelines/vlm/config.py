@@ -54,6 +54,9 @@ class VLMDataConfig:
     max_prompt_tokens: int = 4096
     """Prompts longer than this (text plus vision tokens) are skipped with a warning, or stop the run when
     on_bad_media is error."""
+    media_types: list[str] = field(default_factory=lambda: ["image", "video", "text"])
+    """Keep only the samples of these kinds, in the train and held-out files: ``video`` (has a video), ``image``
+    (images only) or ``text`` (no media)."""
 
 
 @dataclass
@@ -76,6 +79,9 @@ class VLMVideoConfig:
     """Per-frame pixel floor in units of 28x28 pixels."""
     image_max_pixels: int = 256
     """Per-image pixel budget in units of 28x28 pixels."""
+    size_factor: int = 28
+    """Frame and image sides are resized to multiples of this many pixels: the vision patch times the spatial merge
+    (28 = 14 x 2 for Qwen2-VL and Qwen2.5-VL, 32 = 16 x 2 for Qwen3-VL). The budgets above stay in 28x28 units."""
 
 
 @dataclass
@@ -94,6 +100,8 @@ class VLMGenerationConfig:
     """hf (transformers, prefill shared across the group) or vllm (the ``vllm`` extra, GPU)."""
     mask_truncated: bool = True
     """Leave truncated completions out of the loss."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of ``eval`` and ``sample`` (one completion per prompt); 0 decodes greedily."""
 
 
 @dataclass

@@ -1,0 +1,232 @@
+"""Question files of the VLM pipeline: Video-R1 and EasyR1 records, read into :class:`VLMSample`.
+
+A file is a JSON list of records or JSONL (one record per line, blank lines ignored); either is detected from the
+first character, not the extension. The format is detected per record:
+
+- Video-R1: ``problem``, ``problem_type``, ``solution`` (often ``<answer>B</answer>``), optional ``options``
+  (``["A. red", "B. blue"]``), and ``path`` with ``data_type`` (``image`` or ``video``); ``path`` may also be a list.
+- EasyR1: ``problem``, ``answer``, optional ``images`` and ``videos`` (lists of paths, or of ``{"path": ...}``) and an
+  optional ``problem_type``. The problem text is kept as given, ``<image>``/``<video>`` markers included.
+
+A record with ``solution`` is Video-R1, one with ``answer`` (and no ``solution``) EasyR1. Media paths are resolved
+against the data root. Any other field is kept in :attr:`VLMSample.extra` and reaches the rewards through
+:func:`reward_meta`. Every problem raises ConfigError naming ``file:line``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mmgrpo.config import ConfigError
+from mmgrpo.rewards.text_rules import PROBLEM_TYPES, canonical_problem_type, last_tagged
+
+_CONSUMED = ("problem", "problem_type", "options", "solution", "answer", "path", "data_type", "images", "videos")
+_OPTION_LABEL = re.compile(r"\s*\(?[A-Za-z]\s*[.):]")
+_PLACEHOLDER = re.compile(r"\{(question|options)\}")
+
+
+@dataclass
+class VLMSample:
+    """One question with its media and ground truth."""
+
+    question: str
+    """The problem text."""
+    problem_type: str | None
+    """Video-R1 type from ``PROBLEM_TYPES`` (aliases normalised), or None when an EasyR1 record has none."""
+    options: list[str]
+    """Answer options as given (Video-R1 labels them ``"A. ..."``); empty when there are none."""
+    solution: str
+    """Ground truth as given (``"<answer>B</answer>"`` or ``"B"``); numbers and lists are JSON-encoded."""
+    images: list[Path] = field(default_factory=list)
+    """Absolute image paths."""
+    videos: list[Path] = field(default_factory=list)
+    """Absolute video paths."""
+    source: str = ""
+    """``file:line`` of the record, for messages."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Every other field of the record."""
+
+
+def _json_lines(text: str, name: str) -> list[tuple[int, Any]]:
+    """(line, value) of each non-blank line of a JSONL text."""
+    records = []
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((line_no, json.loads(line)))
+        except json.JSONDecodeError as err:
+            hint = " (a .json file holds a list of records or one record per line)" if name.endswith(".json") else ""
+            raise ConfigError(f"{name}:{line_no}: malformed JSON ({err.msg} at column {err.colno}){hint}") from err
+    return records
+
+
+def _json_list(text: str, name: str) -> list[tuple[int, Any]]:
+    """(line where it starts, value) of each element of the JSON list in ``text`` (which starts with ``[``)."""
+    decoder, space = json.JSONDecoder(), re.compile(r"\s*")
+    records: list[tuple[int, Any]] = []
+    line, counted = 1, 0
+
+    def line_at(pos: int) -> int:
+        nonlocal line, counted
+        line, counted = line + text.count("\n", counted, pos), pos
+        return line
+
+    pos = space.match(text, text.index("[") + 1).end()
+    while text[pos:pos + 1] != "]" or records:  # "[]" is empty; after a record only the break at "]" ends it
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{name}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno})") from err
+        records.append((line_at(pos), value))
+        pos = space.match(text, end).end()
+        if text[pos:pos + 1] == "]":
+            break
+        if text[pos:pos + 1] != ",":
+            raise ConfigError(f"{name}:{line_at(pos)}: malformed JSON (expected ',' or ']' after the record)")
+        pos = space.match(text, pos + 1).end()
+    if text[pos + 1:].strip():
+        raise ConfigError(f"{name}:{line_at(pos)}: malformed JSON (extra data after the closing ']')")
+    return records
+
+
+def _media_list(value: Any, key: str, source: str) -> list[str]:
+    """Paths of an ``images``/``videos``/``path`` field: a path, or a list of paths or ``{"path": ...}``."""
+    items = value if isinstance(value, list) else [value]
+    paths = []
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("path"), str):
+            item = item["path"]
+        if not isinstance(item, str) or not item:
+            raise ConfigError(f"{source}: field '{key}' must hold file paths (embedded bytes and frame lists are "
+                              f"not supported), got {json.dumps(item)[:80]}")
+        paths.append(item)
+    return paths
+
+
+def _text(record: dict, key: str, source: str, fmt: str) -> str:
+    """A required non-blank field as text; numbers and lists are JSON-encoded."""
+    if record.get(key) is None:
+        raise ConfigError(f"{source}: missing required field '{key}' ({fmt} format)")
+    value = record[key]
+    text = value if isinstance(value, str) else json.dumps(value)
+    if not text.strip():
+        raise ConfigError(f"{source}: field '{key}' is empty")
+    return text
+
+
+def _parse_record(record: Any, source: str, root: Path) -> VLMSample:
+    """One decoded record -> VLMSample (format detected as in the module notes); ConfigError naming ``source``."""
+    if not isinstance(record, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {type(record).__name__}")
+    if "solution" in record:
+        fmt, truth = "Video-R1", "solution"
+    elif "answer" in record:
+        fmt, truth = "EasyR1", "answer"
+    else:
+        raise ConfigError(f"{source}: missing required field 'solution' (Video-R1 format) or 'answer' "
+                          f"(EasyR1 format)")
+    question = _text(record, "problem", source, fmt)
+    solution = _text(record, truth, source, fmt)
+    raw_type = record.get("problem_type")
+    if raw_type is None and fmt == "Video-R1":
+        raise ConfigError(f"{source}: missing required field 'problem_type' (Video-R1 format)")
+    problem_type = None if raw_type is None else canonical_problem_type(raw_type)
+    if raw_type is not None and problem_type is None:
+        raise ConfigError(f"{source}: unknown problem_type {json.dumps(raw_type)}; valid: {', '.join(PROBLEM_TYPES)}")
+    options = record.get("options") or []
+    if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
+        raise ConfigError(f"{source}: field 'options' must be a list of strings")
+    media: dict[str, list[str]] = {"image": [], "video": []}
+    if record.get("path") is not None:
+        kind = str(record.get("data_type", "")).lower()
+        if kind not in media:
+            raise ConfigError(f"{source}: field 'data_type' must be 'image' or 'video' when 'path' is given, got "
+                              f"{json.dumps(record.get('data_type'))}")
+        media[kind] += _media_list(record["path"], "path", source)
+    elif record.get("data_type") is not None and record.get("images") is None and record.get("videos") is None:
+        raise ConfigError(f"{source}: missing required field 'path' (data_type is {json.dumps(record['data_type'])})")
+    for key, kind in (("images", "image"), ("videos", "video")):
+        if record.get(key) is not None:
+            media[kind] += _media_list(record[key], key, source)
+    return VLMSample(
+        question=question, problem_type=problem_type, options=[str(o) for o in options], solution=solution,
+        images=[Path(os.path.abspath(root / p)) for p in media["image"]],
+        videos=[Path(os.path.abspath(root / p)) for p in media["video"]],
+        source=source, extra={k: v for k, v in record.items() if k not in _CONSUMED})
+
+
+def read_samples(path: str | os.PathLike, root: str | os.PathLike) -> list[VLMSample]:
+    """Every sample of a Video-R1 / EasyR1 file (JSON list or JSONL), media paths resolved against ``root``.
+
+    Raises ConfigError, naming ``file:line``, for a missing or empty file, malformed JSON, a record that is not an
+    object, a missing or blank required field, an unknown problem type (the message lists the valid ones) or a bad
+    media field; and, naming ``data.root``, when the file references media and not one of them exists (a wrong
+    root). Single missing files are left to ``data.on_bad_media`` when they are decoded.
+    """
+    name, root = str(path), Path(root)
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except FileNotFoundError as err:
+        raise ConfigError(f"data file not found: {name}") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"cannot read data file {name}: {err}") from err
+    stripped = text.lstrip()
+    records = _json_list(text, name) if stripped.startswith("[") else _json_lines(text, name)
+    if not records:
+        raise ConfigError(f"{name}: no records (the data file is empty)")
+    samples = [_parse_record(record, f"{name}:{line}", root) for line, record in records]
+    media = [p for s in samples for p in s.images + s.videos]
+    if media and not any(p.exists() for p in media):
+        raise ConfigError(f"{name}: none of its {len(media)} image/video files exist (first: {media[0]}); check "
+                          f"'data.root' ({os.path.abspath(root)})")
+    return samples
+
+
+def format_options(options: list[str]) -> str:
+    """``"\\nOptions:\\nA. ...\\nB. ..."``, or ``""`` without options.
+
+    Options that all carry a letter label (``A. x``, ``(A) x``, ``A) x``, ``A: x``) are kept as given, as in Video-R1
+    data; otherwise they are labelled A, B, C, ... in order."""
+    if not options:
+        return ""
+    if not all(_OPTION_LABEL.match(o) for o in options):
+        if len(options) > 26:
+            raise ConfigError(f"cannot label {len(options)} options with the letters A-Z")
+        options = [f"{chr(ord('A') + i)}. {o}" for i, o in enumerate(options)]
+    return "\nOptions:\n" + "\n".join(options)
+
+
+def render_prompt(sample: VLMSample, template: str) -> str:
+    """The prompt text: ``template`` (``data.prompt_template``) with ``{question}`` replaced by the problem and
+    ``{options}`` by :func:`format_options`. Other braces are left alone and inserted text is not scanned again.
+
+    Video-R1 appends ``"Options:\\n"`` and one option per line to multiple-choice problems only, with no line break
+    after the problem; here any sample with options gets them, on a new line after the problem. Raises ConfigError
+    when the template has no ``{question}``, or no ``{options}`` while the sample has options (they would be lost).
+    """
+    if "{question}" not in template:
+        raise ConfigError("bad value for 'data.prompt_template': it must contain {question}")
+    if sample.options and "{options}" not in template:
+        raise ConfigError(f"bad value for 'data.prompt_template': it has no {{options}}, but {sample.source} has "
+                          f"options")
+    values = {"question": sample.question, "options": format_options(sample.options)}
+    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def reward_meta(sample: VLMSample) -> dict[str, Any]:
+    """The per-sample ``meta`` the rewards read: the record's extra fields, then ``solution`` (as given), ``answer``
+    (the ground truth without ``<answer>`` tags), ``options``, ``source`` and ``problem_type``. ``problem_type`` is
+    left out when the sample has none, so a reward's own default (``accuracy``'s ``default_type``) applies."""
+    inner = last_tagged(sample.solution)
+    meta = dict(sample.extra)
+    meta.update(solution=sample.solution, answer=(sample.solution if inner is None else inner).strip(),
+                options=list(sample.options), source=sample.source)
+    if sample.problem_type is not None:
+        meta["problem_type"] = sample.problem_type
+    return meta

@@ -1,0 +1,230 @@
+"""Question files (Video-R1 / EasyR1), prompt rendering, reward meta, and the shipped vlm_tiny data set."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmgrpo.config import ConfigError
+from mmgrpo.pipelines.vlm.config import VLMDataConfig, VLMVideoConfig
+from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, render_prompt, reward_meta
+from mmgrpo.pipelines.vlm.synthetic import make_count_clip, make_motion_clip, write_tiny_dataset
+from mmgrpo.pipelines.vlm.video import decode_video
+from mmgrpo.rewards import AccuracyReward, RewardBatch
+from mmgrpo.rewards.text_rules import PROBLEM_TYPES
+
+TINY = Path(__file__).resolve().parents[2] / "assets" / "data" / "vlm_tiny"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A data root holding a few (empty) media files: a.png, b.jpg, sub/c.png, v1.mp4, sub/v2.mp4."""
+    for name in ("a.png", "b.jpg", "sub/c.png", "v1.mp4", "sub/v2.mp4"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    return tmp_path
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def video_r1(**kw) -> dict:
+    rec = {"problem_id": 7, "problem": "Which way?", "problem_type": "multiple choice",
+           "options": ["A. left", "B. right"], "solution": "<answer>B</answer>", "path": "./v1.mp4",
+           "data_type": "video", "data_source": "unit"}
+    rec.update(kw)
+    return rec
+
+
+def test_video_r1_jsonl_with_several_media(root: Path):
+    path = write_jsonl(root / "data.jsonl", [
+        video_r1(),
+        "",
+        video_r1(problem_type="Multiple_Choice", path=["a.png", "sub/c.png"], data_type="image"),
+        video_r1(problem_type="numerical", options=[], solution=3, path="sub/../sub/v2.mp4"),
+    ])
+    s = read_samples(path, root)
+    assert len(s) == 3
+    assert s[0] == VLMSample("Which way?", "multiple choice", ["A. left", "B. right"], "<answer>B</answer>",
+                             [], [root / "v1.mp4"], f"{path}:1", {"problem_id": 7, "data_source": "unit"})
+    assert s[1].images == [root / "a.png", root / "sub/c.png"] and s[1].videos == []
+    assert s[1].problem_type == "multiple choice" and s[1].source == f"{path}:3"
+    assert s[2].videos == [root / "sub/v2.mp4"] and s[2].solution == "3" and s[2].problem_type == "numerical"
+    assert all(p.is_absolute() for x in s for p in x.images + x.videos)
+
+
+def test_easyr1_json_list_with_several_media(root: Path):
+    records = [
+        {"problem": "<image><image>Which is larger?", "answer": "the first", "images": ["a.png", {"path": "b.jpg"}]},
+        {"problem": "<video>Count.", "answer": 42, "videos": ["v1.mp4", "sub/v2.mp4"], "problem_type": "numeric",
+         "images": ["sub/c.png"], "difficulty": 3},
+    ]
+    path = root / "data.json"
+    path.write_text(json.dumps(records, indent=2))
+    a, b = read_samples(path, str(root))
+    assert a.question == "<image><image>Which is larger?" and a.problem_type is None and a.solution == "the first"
+    assert a.images == [root / "a.png", root / "b.jpg"] and a.videos == [] and a.options == []
+    assert b.videos == [root / "v1.mp4", root / "sub/v2.mp4"] and b.images == [root / "sub/c.png"]
+    assert b.solution == "42" and b.problem_type == "numerical" and b.extra == {"difficulty": 3}
+    text = path.read_text().splitlines()
+    assert [int(x.source.rsplit(":", 1)[1]) for x in (a, b)] == [i + 1 for i, t in enumerate(text) if t == "  {"]
+
+
+def test_malformed_jsonl_line_names_line(root: Path):
+    path = write_jsonl(root / "d.jsonl", [video_r1(), video_r1(), '{"problem": "x", "solution": ', video_r1()])
+    with pytest.raises(ConfigError) as err:
+        read_samples(path, root)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:3: malformed JSON (") and "\n" not in msg
+
+
+def test_malformed_json_list_names_line(root: Path):
+    path = root / "d.json"
+    path.write_text('[\n  {"problem": "a", "answer": "b"},\n  {"problem": "a" "answer": "b"}\n]\n')
+    with pytest.raises(ConfigError, match=r"d\.json:3: malformed JSON \("):
+        read_samples(path, root)
+    path.write_text('[\n  {"problem": "a", "answer": "b"},\n]\n')
+    with pytest.raises(ConfigError, match=r"d\.json:3: malformed JSON"):
+        read_samples(path, root)
+
+
+def test_unknown_problem_type_lists_valid_ones(root: Path):
+    path = write_jsonl(root / "d.jsonl", [video_r1(), video_r1(problem_type="mcq")])
+    with pytest.raises(ConfigError) as err:
+        read_samples(path, root)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}:2: unknown problem_type \"mcq\"")
+    assert all(t in msg for t in PROBLEM_TYPES)
+
+
+@pytest.mark.parametrize("drop, field", [("problem", "problem"), ("problem_type", "problem_type"),
+                                         ("solution", "solution"), ("path", "path")])
+def test_missing_field_named(root: Path, drop: str, field: str):
+    rec = video_r1()
+    del rec[drop]
+    path = write_jsonl(root / "d.jsonl", [video_r1(), rec])
+    with pytest.raises(ConfigError, match=rf"d\.jsonl:2: missing required field '{field}'"):
+        read_samples(path, root)
+
+
+def test_bad_records(root: Path):
+    cases = {
+        "[1, 2]": "expected a JSON object",
+        json.dumps({"problem": "q", "answer": "a", "images": [{"bytes": "xx"}]}): "field 'images' must hold file paths",
+        json.dumps(video_r1(data_type="audio")): "field 'data_type' must be 'image' or 'video'",
+        json.dumps(video_r1(solution="  ")): "field 'solution' is empty",
+        json.dumps(video_r1(options="A. left")): "field 'options' must be a list",
+    }
+    for line, expected in cases.items():
+        path = write_jsonl(root / "d.jsonl", [line])
+        with pytest.raises(ConfigError, match=rf"d\.jsonl:1: {expected}"):
+            read_samples(path, root)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "[]", "  [ ]\n"])
+def test_empty_file(root: Path, content: str):
+    path = root / "d.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match="no records"):
+        read_samples(path, root)
+
+
+def test_missing_file_and_wrong_root(root: Path, tmp_path: Path):
+    with pytest.raises(ConfigError, match="data file not found"):
+        read_samples(root / "nope.jsonl", root)
+    path = write_jsonl(root / "d.jsonl", [video_r1(), video_r1(path="a.png", data_type="image")])
+    with pytest.raises(ConfigError, match="none of its 2 image/video files exist.*'data.root'"):
+        read_samples(path, root / "sub")
+    (root / "v1.mp4").unlink()
+    assert len(read_samples(path, root)) == 2  # one missing file is left to data.on_bad_media
+
+
+def test_render_prompt_video_r1_options():
+    template = VLMDataConfig.prompt_template
+    s = VLMSample("Which way does it move?", "multiple choice", ["A. left", "B. right"], "<answer>B</answer>")
+    assert render_prompt(s, template).startswith("Which way does it move?\nOptions:\nA. left\nB. right\nThink about")
+    assert render_prompt(VLMSample("How many?", "numerical", [], "3"), "{question}{options}|") == "How many?|"
+
+
+def test_render_prompt_labels_and_braces():
+    s = VLMSample("Pick {options} one", "multiple choice", ["red", "{question}"], "A")
+    out = render_prompt(s, 'Q: {question}{options}\nJSON: {"answer": "X"}')
+    assert out == 'Q: Pick {options} one\nOptions:\nA. red\nB. {question}\nJSON: {"answer": "X"}'
+    labelled = VLMSample("q", "multiple choice", ["(A) red", "(B) blue"], "A")
+    assert render_prompt(labelled, "{question}{options}") == "q\nOptions:\n(A) red\n(B) blue"
+    with pytest.raises(ConfigError, match="must contain {question}"):
+        render_prompt(s, "{options}")
+    with pytest.raises(ConfigError, match="has no {options}"):
+        render_prompt(s, "{question}")
+
+
+def test_reward_meta_feeds_accuracy_reward(root: Path):
+    path = write_jsonl(root / "d.jsonl", [
+        video_r1(),
+        {"problem": "How many?", "answer": 3, "videos": ["v1.mp4"], "difficulty": 2},
+    ])
+    a, b = read_samples(path, root)
+    ma, mb = reward_meta(a), reward_meta(b)
+    assert ma["solution"] == "<answer>B</answer>" and ma["answer"] == "B" and ma["problem_type"] == "multiple choice"
+    assert ma["problem_id"] == 7 and ma["source"] == f"{path}:1" and ma["options"] == ["A. left", "B. right"]
+    assert "problem_type" not in mb and mb["answer"] == "3" and mb["difficulty"] == 2
+    completions = ["<think>.</think><answer>B</answer>", "<think>.</think><answer>3.0</answer>"]
+    batch = RewardBatch(prompts=["p", "p"], group=torch.tensor([0, 1]), completions=completions, meta=[ma, mb])
+    assert AccuracyReward(default_type="numerical")(batch).tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="unknown problem_type"):
+        AccuracyReward()(batch)
+
+
+def test_shipped_tiny_dataset_reads():
+    train, evals = read_samples(TINY / "train.jsonl", TINY), read_samples(TINY / "eval.jsonl", TINY)
+    assert (len(train), len(evals)) == (36, 12)
+    everything = train + evals
+    assert all(p.is_file() for s in everything for p in s.images + s.videos)
+    assert sum(len(s.videos) for s in everything) == 24 and sum(len(s.images) for s in everything) == 24
+    assert {s.problem_type for s in everything} == {"multiple choice", "numerical"}
+    for s in everything:
+        answer = reward_meta(s)["answer"]
+        if s.problem_type == "multiple choice":
+            assert answer in [o[0] for o in s.options]
+        else:
+            assert s.options == [] and answer.isdigit()
+    directions = [reward_meta(s)["answer"] for s in evals if s.extra["task"] == "motion_direction"]
+    truth = {s.options[ord(a) - ord("A")][3:] for s, a in zip(
+        [s for s in evals if s.extra["task"] == "motion_direction"], directions)}
+    assert truth == {"left", "right", "up", "down"}
+    size = sum(f.stat().st_size for f in TINY.rglob("*") if f.is_file())
+    assert size < 1_500_000
+
+
+def test_tiny_dataset_reproducible_from_seed(tmp_path: Path):
+    sizes = write_tiny_dataset(tmp_path, seed=0)
+    assert sizes == {"train": 36, "eval": 12}
+    for name in ("train.jsonl", "eval.jsonl", "README.md"):
+        assert (tmp_path / name).read_text() == (TINY / name).read_text(), name
+    for png in sorted(TINY.glob("images/*.png")):
+        assert np.array_equal(np.asarray(Image.open(png)), np.asarray(Image.open(tmp_path / "images" / png.name)))
+    cfg = VLMVideoConfig(backend="pyav", fps=4.0, max_frames=16)
+    for mp4 in sorted(TINY.glob("videos/*.mp4")):  # equal bytes with this libx264; other encoders differ a little
+        shipped, new = decode_video(mp4, cfg)[0], decode_video(tmp_path / "videos" / mp4.name, cfg)[0]
+        assert shipped.shape == new.shape == (16, 3, 56, 56)
+        assert (shipped.float() - new.float()).abs().mean() < 0.5, mp4.name
+    other = write_tiny_dataset(tmp_path / "seed1", seed=1)
+    assert other == sizes and (tmp_path / "seed1/train.jsonl").read_text() != (TINY / "train.jsonl").read_text()
+
+
+def test_clip_generators_are_pure():
+    a = make_motion_clip("up", "green", "triangle", frames=6, size=32, seed=5)
+    assert a.shape == (6, 32, 32, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, make_motion_clip("up", "green", "triangle", frames=6, size=32, seed=5))
+    assert not np.array_equal(a, make_motion_clip("up", "green", "triangle", frames=6, size=32, seed=6))
+    rows = [np.nonzero(f.sum(axis=(1, 2)))[0].mean() for f in a]
+    assert all(b > c for b, c in itertools.pairwise(rows))  # moving up: the shape's mean row falls frame by frame
+    assert np.array_equal(make_count_clip(3, frames=4, seed=1), make_count_clip(3, frames=4, seed=1))
