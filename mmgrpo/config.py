@@ -144,6 +144,9 @@ class BaseConfig:
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, plots/."""
     seed: int = 0
     """Seed for every random generator; each process adds its rank."""
+    num_threads: int = 0
+    """torch CPU threads per process; 0 keeps torch's default (one per core). Tiny CPU runs on a shared machine
+    are often faster with 1."""
     resume: str | None = None
     """'latest' resumes from the newest complete checkpoint in output_dir (and starts fresh if there is none);
     a path resumes from that checkpoint folder."""
@@ -232,6 +235,31 @@ def _omegaconf_message(err: OmegaConfBaseException, schema: type) -> str:
     return text
 
 
+def field_type(key: str, schema: type) -> Any:
+    """The annotated type of a dotted key (list indices step into the element type); None when unknown."""
+    tp: Any = schema
+    for part in key.split("."):
+        if part.isdigit() and typing.get_origin(tp) is list:
+            tp = typing.get_args(tp)[0]
+        elif dataclasses.is_dataclass(tp):
+            tp = typing.get_type_hints(tp).get(part)
+        else:
+            return None
+    return tp
+
+
+def parse_override(key: str, value: str, schema: type) -> Any:
+    """The value of a ``key=value`` override: kept verbatim for string fields (so templates with braces and
+    colons survive), otherwise parsed as YAML (numbers, booleans, null, lists, mappings)."""
+    tp = field_type(key, schema)
+    if tp is str or tp == (str | None):
+        return None if value in ("null", "None", "~") and tp != str else value
+    try:
+        return yaml.safe_load(value) if value != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"bad value for '{key}': cannot parse '{value}' ({' '.join(str(err).split())})") from err
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (), schema: type | None = None) -> Any:
     """Build the typed config object from a preset file and ``dotted.key=value`` overrides.
 
@@ -257,14 +285,16 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), schem
         check_key(key, schema)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(schema), raw)
-        if pairs:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs]))
+        for key, value in pairs:
+            OmegaConf.update(cfg, key, parse_override(key, value, schema), merge=True)
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ConfigError(f"missing required key '{missing[0]}'")
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(_omegaconf_message(err, schema)) from err
+    except (TypeError, IndexError, KeyError) as err:
+        raise ConfigError(f"cannot apply overrides {[k for k, _ in pairs]}: {err}") from err
     validate(obj)
     return obj
 

@@ -56,6 +56,8 @@ class Trainer:
         self.run_dir = Path(cfg.output_dir)
         self.accelerator = accelerator or make_accelerator(cfg)
         acc = self.accelerator
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
         set_seed(cfg.seed, device_specific=True)
         self.policy = policy if policy is not None else build_policy(cfg)
         self.rewards = RewardZoo(cfg.rewards)

@@ -81,3 +81,17 @@ def test_cli_exits_2_with_one_line_naming_the_key(tmp_path, support_env):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no.such.key" in lines[0], proc.stderr
+
+
+def test_override_values_string_fields_verbatim_lists_by_index(tmp_path):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE",
+                                         "rewards": [{"name": "format"}, {"name": "accuracy", "weight": 2.0}]})
+    cfg = load_config(preset, ["output_dir={question}: a/b", "rewards.1.weight=0.5", "rewards.0.name=length",
+                               "resume=null", "optim.betas=[0.8, 0.95]", "grpo.clip_eps_high=0.28"])
+    assert cfg.output_dir == "{question}: a/b"
+    assert [(r.name, r.weight) for r in cfg.rewards] == [("length", 1.0), ("accuracy", 0.5)]
+    assert cfg.resume is None and cfg.optim.betas == [0.8, 0.95] and cfg.grpo.clip_eps_high == 0.28
+    with pytest.raises(ConfigError, match="rewards"):
+        load_config(preset, ["rewards.5.weight=1"])
+    with pytest.raises(ConfigError, match="'optim.lr'"):
+        load_config(preset, ["optim.lr=[1, 2"])
