@@ -1,0 +1,751 @@
+"""Model adapters of the flow pipeline: one small class per diffusers model family, behind one interface.
+
+An adapter loads a stock diffusers pipeline (hub id, local folder, or ``tiny:<kind>``) with ``from_pretrained``, makes
+its transformer trainable (PEFT LoRA or full fine-tuning) and freezes everything else. It then exposes exactly what
+GRPO needs, in the pipeline's own conventions:
+
+- :meth:`FlowAdapter.encode`: prompt embeddings through the pipeline's ``encode_prompt``, cached per prompt string.
+- :meth:`FlowAdapter.initial_latents` and :meth:`FlowAdapter.sigmas`: the starting noise and the sigma schedule the
+  pipeline's scheduler would use.
+- :meth:`FlowAdapter.velocity`: the (CFG-combined) velocity at noise level sigma, in fp32.
+- :meth:`FlowAdapter.reference_velocity`: the same under the frozen reference policy (KL).
+- :meth:`FlowAdapter.decode`: pixels in [0, 1].
+- :meth:`FlowAdapter.save_trainable` / :meth:`FlowAdapter.load_trainable`: LoRA in the diffusers format that
+  ``pipe.load_lora_weights`` reads, or a full ``transformer/`` folder.
+
+Conventions: ``sigma`` is the rectified-flow noise level in [0, 1] (``x = (1 - sigma) * x0 + sigma * noise``), the
+velocity is ``noise - x0``. The conversion from sigma to each transformer's ``timestep`` argument happens in one
+place, :meth:`FlowAdapter.timestep`.
+
+Adapters are registered in ``mmgrpo.registry.MODEL_ADAPTERS`` as ``sd3``, ``flux`` and ``wan``; build one from a
+config with :func:`load_adapter`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import json
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from mmgrpo.config import ConfigError
+from mmgrpo.pipelines.flow.config import FlowModelConfig
+from mmgrpo.pipelines.flow.tiny import KINDS, tiny_path
+from mmgrpo.registry import MODEL_ADAPTERS, RegistryError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Accepted values of ``model.dtype``."""
+
+LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+"""File name diffusers' ``save_lora_weights`` writes and ``load_lora_weights`` reads by default."""
+
+DECODE_CHUNK = 4
+"""Samples decoded by the VAE at once (bounds VAE activation memory for large images and videos)."""
+
+
+class AttentionFallbackWarning(RuntimeWarning):
+    """The requested attention backend cannot run here; native PyTorch SDPA is used instead."""
+
+
+_warned: set[tuple[str, str]] = set()
+"""(backend, reason) pairs already warned about in this process: each fallback is reported once."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompt embeddings
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning for n rows, on the adapter's device, in the model dtype.
+
+    - ``cond``: the transformer's keyword arguments for the prompts, each tensor (n, ...): ``encoder_hidden_states``
+      (n, L, D) for every model, plus ``pooled_projections`` (n, P) for SD3 and FLUX. FLUX's ``txt_ids`` are the
+      same zeros for every row and are built in :meth:`FlowAdapter.velocity`, so every entry here has a row axis.
+    - ``uncond``: the same for the negative prompt (each row a copy), or None when CFG is off (guidance_scale <= 1,
+      or a guidance-distilled FLUX, which takes the scale as an embedding instead).
+    """
+
+    cond: dict[str, Tensor]
+    uncond: dict[str, Tensor] | None = None
+
+    def __len__(self) -> int:
+        return next(iter(self.cond.values())).shape[0]
+
+    def select(self, rows: Tensor | list[int]) -> PromptEmbeds:
+        """The embeddings of ``rows`` (indices into the n rows), as contiguous copies."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+
+        def pick(part: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {k: v[index.to(v.device)] for k, v in part.items()}
+
+        return PromptEmbeds(pick(self.cond), None if self.uncond is None else pick(self.uncond))
+
+    @staticmethod
+    def cat(parts: list[PromptEmbeds]) -> PromptEmbeds:
+        """Rows of all ``parts`` in order. Either every part has ``uncond`` or none has."""
+        if not parts:
+            raise ValueError("PromptEmbeds.cat needs at least one part")
+        with_uncond = {p.uncond is not None for p in parts}
+        if len(with_uncond) != 1:
+            raise ValueError("PromptEmbeds.cat: some parts have unconditional embeddings and some do not")
+        cond = {k: torch.cat([p.cond[k] for p in parts]) for k in parts[0].cond}
+        uncond = {k: torch.cat([p.uncond[k] for p in parts]) for k in parts[0].uncond} if True in with_uncond else None
+        return PromptEmbeds(cond, uncond)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of an exception message, shortened; the class name when the message is empty."""
+    text = str(err).strip().splitlines()
+    line = text[0] if text else type(err).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def resolve_model_path(path: str) -> tuple[str, bool]:
+    """``(where to load from, is_local)`` for ``model.path``.
+
+    ``tiny:<kind>`` builds (once) and returns the cached tiny pipeline. A path that looks local (starts with ``/``,
+    ``./``, ``../`` or ``~``, exists, or has an existing parent folder) must be a diffusers pipeline folder (with
+    ``model_index.json``); anything else is treated as a hub id."""
+    if path.startswith("tiny:"):
+        kind = path.removeprefix("tiny:")
+        if kind not in KINDS:
+            known = ", ".join(f"tiny:{k}" for k in KINDS)
+            raise ConfigError(f"bad value for 'model.path': unknown tiny pipeline '{path}' (known: {known})")
+        return str(tiny_path(kind)), True
+    if path in ("", "???"):
+        raise ConfigError("missing value for 'model.path': give a hub id, a local pipeline folder or tiny:<kind>")
+    local = Path(path).expanduser()
+    parent_exists = str(local.parent) not in ("", ".") and local.parent.exists()
+    if path.startswith(("/", "./", "../", "~")) or local.exists() or parent_exists:
+        if not (local / "model_index.json").is_file():
+            raise ConfigError(f"bad value for 'model.path': {path} is not a diffusers pipeline folder "
+                              "(no model_index.json)")
+        return str(local), True
+    return path, False
+
+
+def _load_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "this model cannot be loaded from there" (not a bug in mmgrpo)."""
+    types: list[type[BaseException]] = [OSError, ValueError]
+    with contextlib.suppress(ImportError):
+        from huggingface_hub.errors import HfHubHTTPError
+
+        types.append(HfHubHTTPError)
+    return tuple(types)
+
+
+def _warn_fallback(backend: str, reason: str) -> None:
+    if (backend, reason) in _warned:
+        return
+    _warned.add((backend, reason))
+    warnings.warn(f"model.attention_backend: '{backend}' is not usable here ({reason}); "
+                  "using native PyTorch SDPA instead", AttentionFallbackWarning, stacklevel=4)
+
+
+def _check_backend_name(name: str) -> None:
+    """ConfigError unless ``name`` is "auto" or one of diffusers' attention backends."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    known = {b.value for b in AttentionBackendName}
+    if name != "auto" and name not in known:
+        public = ", ".join(sorted(k for k in known if not k.startswith("_")))
+        raise ConfigError(f"bad value for 'model.attention_backend': '{name}' (auto or one of: {public})")
+
+
+def _probe_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when diffusers' ``backend`` runs a tiny attention on ``device`` in ``dtype``, else the reason."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+    q = torch.randn(1, 8, 2, 32, device=device, dtype=dtype)  # (batch, tokens, heads, head_dim)
+    try:
+        dispatch_attention_fn(q, q, q, backend=AttentionBackendName(backend))
+    except Exception as err:  # noqa: BLE001 - any kernel failure (package, no CPU kernel, dtype) = unusable
+        return f"{type(err).__name__}: {_one_line(err, 160)}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The base adapter
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class FlowAdapter:
+    """A diffusers flow-matching pipeline made trainable, with GRPO's view of it.
+
+    Attributes:
+
+    - ``kind``: the registry name (sd3, flux, wan); ``modality``: "image" or "video".
+    - ``pipe``: the loaded diffusers pipeline; text encoders and VAE are frozen and in eval mode.
+    - ``transformer``: the trainable module, the pipeline's own transformer. With ``cfg.lora_rank > 0`` it carries
+      PEFT LoRA layers (injected with diffusers' ``add_adapter``, adapter name "default"; only the LoRA weights
+      train, kept in fp32); with ``lora_rank == 0`` every parameter trains, in fp32.
+    - ``dtype``: the dtype of the transformer forward ("model dtype"): ``cfg.dtype`` with LoRA, float32 for a
+      full fine-tune (accelerate's mixed precision may autocast it).
+    - ``attention_backend``: the attention backend actually in use.
+    - ``device``: where every part lives.
+
+    Args:
+        cfg: the ``model`` config section.
+        device: torch device for all parts.
+        keep_reference: full fine-tune only: keep a frozen copy of the initial transformer for
+            :meth:`reference_velocity` (LoRA needs none; the base weights are the reference).
+        prompt_cache_size: distinct prompt strings whose embeddings are kept (least recently used are dropped).
+            Each prompt is encoded on its own (batch of one), so a dropped entry re-encodes to bitwise the same
+            tensors.
+    """
+
+    kind: ClassVar[str] = ""
+    modality: ClassVar[str] = "image"
+    pipeline_class: ClassVar[str] = ""
+    """Name of the diffusers pipeline class that loads the checkpoint."""
+    default_max_sequence_length: ClassVar[int] = 256
+    """T5/UMT5 tokens per prompt in the pipeline's ``__call__``; :attr:`max_sequence_length` caps it at the
+    tokenizer's ``model_max_length`` (512 for the published checkpoints, so no change there; 32 for tiny ones)."""
+    t5_tokenizer: ClassVar[str] = "tokenizer"
+    """Pipeline attribute holding the T5/UMT5 tokenizer."""
+
+    def __init__(self, cfg: FlowModelConfig, device: torch.device | str = "cpu", keep_reference: bool = False,
+                 prompt_cache_size: int = 256):
+        if cfg.dtype not in DTYPES:
+            raise ConfigError(f"bad value for 'model.dtype': '{cfg.dtype}' (use one of {', '.join(DTYPES)})")
+        if cfg.lora_rank < 0:
+            raise ConfigError(f"bad value for 'model.lora_rank': {cfg.lora_rank} (0 = full fine-tune, or > 0)")
+        _check_backend_name(cfg.attention_backend)
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.is_lora = cfg.lora_rank > 0
+        self.dtype = DTYPES[cfg.dtype] if self.is_lora else torch.float32
+        self.pipe = self._load_pipeline(cfg)
+        self.pipe.set_progress_bar_config(disable=True)
+        for component in self.pipe.components.values():
+            if isinstance(component, nn.Module):
+                component.requires_grad_(False).eval()
+        tokenizer = getattr(self.pipe, self.t5_tokenizer, None)
+        limit = getattr(tokenizer, "model_max_length", None) or self.default_max_sequence_length
+        self.max_sequence_length = min(self.default_max_sequence_length, limit)
+        transformer = self.pipe.transformer
+        if self.is_lora:
+            self._add_lora(transformer, cfg)
+        else:
+            transformer.to(torch.float32).requires_grad_(True)
+        self.attention_backend = self._set_attention_backend(transformer, cfg.attention_backend)
+        self._reference: nn.Module | None = None
+        if keep_reference and not self.is_lora:
+            self._reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+        if cfg.gradient_checkpointing:
+            transformer.enable_gradient_checkpointing()
+        self.transformer: nn.Module = transformer
+        self._cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
+        self._cache_size = prompt_cache_size
+        self._latent_grids: dict[int, tuple[int, int]] = {}
+
+    # -- loading ---------------------------------------------------------------------------------------------------
+
+    def _load_pipeline(self, cfg: FlowModelConfig):
+        """``from_pretrained`` of the pipeline class (a local folder must name that class in model_index.json)."""
+        import diffusers
+
+        path, local = resolve_model_path(cfg.path)
+        if local:
+            found = json.loads((Path(path) / "model_index.json").read_text()).get("_class_name")
+            if found != self.pipeline_class:
+                raise ConfigError(f"bad value for 'model.path': '{cfg.path}' holds a {found}, but model.type "
+                                  f"'{self.kind}' loads a {self.pipeline_class}")
+        try:
+            pipe = getattr(diffusers, self.pipeline_class).from_pretrained(
+                path, revision=None if local else cfg.revision, dtype=DTYPES[cfg.dtype])
+        except _load_error_types() as err:
+            where = "local folder" if local else "hub id (offline, gated or misspelt?)"
+            raise ConfigError(f"bad value for 'model.path': cannot load {where} '{cfg.path}': "
+                              f"{_one_line(err, 160)}") from err
+        return pipe.to(self.device)
+
+    @staticmethod
+    def _add_lora(transformer: nn.Module, cfg: FlowModelConfig) -> None:
+        from diffusers.training_utils import cast_training_params
+        from peft import LoraConfig
+
+        config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
+                            target_modules=list(cfg.lora_targets), lora_dropout=0.0)
+        try:
+            transformer.add_adapter(config)
+        except ValueError as err:
+            raise ConfigError(f"bad value for 'model.lora_targets': {cfg.lora_targets} ({_one_line(err)})") from err
+        cast_training_params(transformer, torch.float32)
+
+    def _set_attention_backend(self, transformer: nn.Module, name: str) -> str:
+        """Apply ``model.attention_backend``; returns the backend in use (native when the request cannot run)."""
+        processors = [getattr(m, "processor", None) for m in transformer.modules()]
+        dispatched = any(hasattr(p, "_attention_backend") for p in processors if p is not None)
+        if name == "auto":
+            flash_ready = importlib.util.find_spec("flash_attn") is not None
+            half = self.dtype in (torch.float16, torch.bfloat16)
+            name = "flash" if dispatched and flash_ready and half and self.device.type == "cuda" else "native"
+        if not dispatched:
+            # These processors (e.g. SD3's JointAttnProcessor2_0) call torch SDPA directly, which already picks
+            # flash / memory-efficient kernels on CUDA; only xformers has a replacement processor.
+            if name == "native":
+                return "native"
+            if name == "xformers":
+                try:
+                    transformer.enable_xformers_memory_efficient_attention()
+                    return "xformers"
+                except Exception as err:  # noqa: BLE001 - missing package or no CUDA: fall back
+                    _warn_fallback(name, _one_line(err, 160))
+                    return "native"
+            _warn_fallback(name, f"{type(transformer).__name__}'s attention processors call torch SDPA directly "
+                                 "and do not dispatch to other backends")
+            return "native"
+        try:
+            transformer.set_attention_backend(name)
+            reason = _probe_backend(name, self.device, self.dtype) if name != "native" else None
+        except Exception as err:  # noqa: BLE001 - diffusers' requirement checks: fall back
+            reason = _one_line(err, 160)
+        if reason is None:
+            return name
+        _warn_fallback(name, reason)
+        transformer.set_attention_backend("native")
+        return "native"
+
+    # -- prompts ---------------------------------------------------------------------------------------------------
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """Whether velocity runs a separate unconditional forward (classifier-free guidance)."""
+        return guidance_scale > 1.0
+
+    def _encode_one(self, prompt: str) -> dict[str, Tensor]:
+        """Transformer kwargs for one prompt, each (1, ...), from the pipeline's ``encode_prompt``."""
+        raise NotImplementedError
+
+    def _embedding(self, prompt: str) -> dict[str, Tensor]:
+        if prompt in self._cache:
+            self._cache.move_to_end(prompt)
+            return self._cache[prompt]
+        with torch.no_grad():
+            entry = {k: v.to(self.device, self.dtype) for k, v in self._encode_one(prompt).items()}
+        self._cache[prompt] = entry
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return entry
+
+    def encode(self, prompts: list[str], negative_prompt: str, guidance_scale: float) -> PromptEmbeds:
+        """Embeddings for ``prompts`` (n rows) and, when CFG is on, n copies of ``negative_prompt``'s.
+
+        Each distinct string goes through the text encoders once (then comes from the cache); no grad."""
+        if not prompts:
+            raise ValueError("encode needs at least one prompt")
+        rows = [self._embedding(p) for p in prompts]
+        cond = {k: torch.cat([r[k] for r in rows]) for k in rows[0]}
+        uncond = None
+        if self.uses_cfg(guidance_scale):
+            negative = self._embedding(negative_prompt)
+            uncond = {k: v.repeat(len(prompts), *([1] * (v.ndim - 1))) for k, v in negative.items()}
+        return PromptEmbeds(cond, uncond)
+
+    # -- latents and schedule --------------------------------------------------------------------------------------
+
+    def latent_shape(self, n: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        """Shape of the noise the pipeline draws (before any packing)."""
+        raise NotImplementedError
+
+    def _check_size(self, height: int, width: int, multiple: int) -> None:
+        for key, value in (("height", height), ("width", width)):
+            if value <= 0 or value % multiple:
+                raise ConfigError(f"bad value for 'sampling.{key}': {value} (must be a positive multiple of "
+                                  f"{multiple} for {self.kind})")
+
+    def initial_latents(self, n: int, height: int, width: int, num_frames: int,
+                        generator: torch.Generator | None) -> Tensor:
+        """fp32 standard normal noise (n, ...) in the shape the transformer takes, on the adapter's device.
+
+        Drawn on ``generator``'s device in the shape the pipeline draws, so a seed gives the pipeline's noise."""
+        shape = self.latent_shape(n, height, width, num_frames)
+        draw_device = generator.device if generator is not None else self.device
+        noise = torch.randn(shape, generator=generator, device=draw_device, dtype=torch.float32)
+        return noise.to(self.device)
+
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int) -> None:
+        """Call ``scheduler.set_timesteps`` exactly as the pipeline's ``__call__`` does."""
+        raise NotImplementedError
+
+    def sigmas(self, num_steps: int, height: int, width: int, num_frames: int = 1) -> Tensor:
+        """The pipeline scheduler's sigma schedule: (num_steps + 1,) fp32 on CPU, from ~1 down to a final 0.
+
+        Computed on a fresh copy of ``pipe.scheduler``, so the pipeline's own scheduler state is untouched."""
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        self._set_timesteps(scheduler, num_steps, height, width, num_frames)
+        sigmas = scheduler.sigmas.detach().to("cpu", torch.float32).clone()
+        if sigmas.shape != (num_steps + 1,) or sigmas[-1] != 0:
+            raise ValueError(f"{type(scheduler).__name__} gave sigmas {sigmas.tolist()} for {num_steps} steps; "
+                             "mmgrpo needs num_steps + 1 values ending at 0")
+        return sigmas
+
+    # -- velocity --------------------------------------------------------------------------------------------------
+
+    def timestep(self, sigma: Tensor) -> Tensor:
+        """The transformer's ``timestep`` argument for noise level ``sigma`` (n,), fp32. The one conversion point.
+
+        SD3 and Wan take diffusers' [0, 1000] timestep, ``sigma * 1000``, as their pipelines pass
+        ``scheduler.timesteps``."""
+        return sigma * 1000.0
+
+    def _forward(self, model: nn.Module, x: Tensor, timestep: Tensor, embeds: dict[str, Tensor],
+                 guidance_scale: float) -> Tensor:
+        """One transformer forward: x in the model dtype, returns the raw prediction."""
+        raise NotImplementedError
+
+    def velocity(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float,
+                 transformer: nn.Module | None = None) -> Tensor:
+        """The velocity v (n, ...) fp32 at ``latents`` (n, ...) and noise levels ``sigma`` (n,) in [0, 1].
+
+        ``transformer`` defaults to :attr:`transformer`; pass the DDP/FSDP-wrapped module in training so gradients
+        synchronise. With CFG, the conditional forward runs in the ambient grad mode and the unconditional one,
+        a separate forward over the same n rows, always under ``torch.no_grad()``; then
+        ``v = v_u + guidance_scale * (v_c - v_u)`` in fp32. Latents are cast to the model dtype for the forward."""
+        model = self.transformer if transformer is None else transformer
+        n = latents.shape[0]
+        if len(embeds) != n:
+            raise ValueError(f"velocity: {n} latent rows but {len(embeds)} prompt-embedding rows")
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1).expand(n)
+        x = latents.to(self.dtype)
+        t = self.timestep(sigma)
+        v = self._forward(model, x, t, embeds.cond, guidance_scale).float()
+        if not self.uses_cfg(guidance_scale):
+            return v
+        if embeds.uncond is None:
+            raise ValueError(f"guidance_scale {guidance_scale} needs unconditional embeddings: encode the prompts "
+                             "with the same guidance_scale")
+        with torch.no_grad():
+            v_uncond = self._forward(model, x, t, embeds.uncond, guidance_scale).float()
+        return v_uncond + guidance_scale * (v - v_uncond)
+
+    @contextlib.contextmanager
+    def _base_weights(self) -> Iterator[None]:
+        """LoRA layers bypassed (the base model) inside the block; trainability flags restored afterwards."""
+        flags = [(p, p.requires_grad) for p in self.transformer.parameters()]
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+            for p, flag in flags:
+                p.requires_grad_(flag)
+
+    def reference_velocity(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float,
+                           transformer: nn.Module | None = None) -> Tensor:
+        """:meth:`velocity` of the reference policy, under no_grad.
+
+        LoRA: the base weights (adapters disabled; ``transformer`` may be the wrapped trainable module, whose
+        adapters are switched off for the call). Full fine-tune: the frozen copy made at init with
+        ``keep_reference=True``."""
+        with torch.no_grad():
+            if self.is_lora:
+                with self._base_weights():
+                    return self.velocity(latents, sigma, embeds, guidance_scale, transformer=transformer)
+            if self._reference is None:
+                raise RuntimeError("reference_velocity of a full fine-tune needs the adapter built with "
+                                   "keep_reference=True (a frozen copy of the initial transformer)")
+            return self.velocity(latents, sigma, embeds, guidance_scale, transformer=self._reference)
+
+    # -- decoding --------------------------------------------------------------------------------------------------
+
+    def _vae_latents(self, latents: Tensor) -> Tensor:
+        """Final latents -> the VAE's input scale and layout, as the pipeline does before ``vae.decode``."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def decode(self, latents: Tensor) -> Tensor:
+        """Pixels in [0, 1], float32: images (n, 3, H, W) or videos (n, T, 3, H, W). No grad."""
+        vae = self.pipe.vae
+        x = self._vae_latents(latents.float())
+        out = [vae.decode(chunk.to(vae.dtype), return_dict=False)[0].float() for chunk in x.split(DECODE_CHUNK)]
+        pixels = (torch.cat(out) / 2 + 0.5).clamp(0, 1)
+        return pixels.permute(0, 2, 1, 3, 4).contiguous() if self.modality == "video" else pixels
+
+    # -- checkpoints -----------------------------------------------------------------------------------------------
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimiser updates (LoRA weights, or the whole transformer)."""
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def save_trainable(self, directory: Path, transformer: nn.Module | None = None) -> None:
+        """Write the trained weights (safetensors) for stock diffusers.
+
+        LoRA: ``directory/pytorch_lora_weights.safetensors`` via the pipeline class's ``save_lora_weights``, with the
+        LoRA config (rank, alpha) as metadata, so ``pipe.load_lora_weights(directory)`` reproduces the adapter.
+        Full fine-tune: ``directory/transformer`` via ``save_pretrained``. ``transformer`` is the unwrapped module
+        to save (default: :attr:`transformer`)."""
+        model = self.transformer if transformer is None else transformer
+        directory = Path(directory)
+        if self.is_lora:
+            from peft.utils import get_peft_model_state_dict
+
+            state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+            type(self.pipe).save_lora_weights(
+                directory, transformer_lora_layers=state, safe_serialization=True,
+                transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
+            )
+        else:
+            model.save_pretrained(directory / "transformer", safe_serialization=True)
+
+    def load_trainable(self, directory: Path) -> None:
+        """Load weights written by :meth:`save_trainable` into :attr:`transformer`, in place."""
+        directory = Path(directory)
+        if self.is_lora:
+            from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            prefix = f"{type(self.pipe).transformer_name}."
+            saved = load_file(directory / LORA_WEIGHT_NAME)
+            state = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
+            expected = set(get_peft_model_state_dict(self.transformer))
+            if set(state) != expected:
+                missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+                raise ValueError(f"LoRA weights in {directory} do not match this adapter (rank/targets?): "
+                                 f"missing {missing[:3]}, unexpected {extra[:3]}")
+            set_peft_model_state_dict(self.transformer, state)
+        else:
+            saved = type(self.transformer).from_pretrained(directory / "transformer", dtype=torch.float32)
+            self.transformer.load_state_dict(saved.state_dict())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SD3 / SD3.5
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _ImageAdapter(FlowAdapter):
+    """Shared by SD3 and FLUX: an ``AutoencoderKL`` with ``scaling_factor`` and ``shift_factor``."""
+
+    def _vae_latents(self, latents: Tensor) -> Tensor:
+        config = self.pipe.vae.config
+        return latents / config.scaling_factor + (config.shift_factor or 0.0)
+
+
+@MODEL_ADAPTERS.register("sd3", modality="image")
+class SD3Adapter(_ImageAdapter):
+    """Stable Diffusion 3 / 3.5 (``StableDiffusion3Pipeline``): latents (n, 16, H/8, W/8); CLIP-L + CLIP-G + T5."""
+
+    kind = "sd3"
+    modality = "image"
+    pipeline_class = "StableDiffusion3Pipeline"
+    default_max_sequence_length = 256
+    t5_tokenizer = "tokenizer_3"
+
+    def _encode_one(self, prompt: str) -> dict[str, Tensor]:
+        embeds, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=[prompt], prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=False,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    def latent_shape(self, n: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        scale = self.pipe.vae_scale_factor
+        self._check_size(height, width, scale * self.pipe.transformer.config.patch_size)
+        return (n, self.pipe.transformer.config.in_channels, height // scale, width // scale)
+
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int) -> None:
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
+
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", None):
+            patch, scale = self.pipe.transformer.config.patch_size, self.pipe.vae_scale_factor
+            seq_len = (height // scale // patch) * (width // scale // patch)
+            c = scheduler.config
+            kwargs["mu"] = calculate_shift(seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                           c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+        retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
+
+    def _forward(self, model: nn.Module, x: Tensor, timestep: Tensor, embeds: dict[str, Tensor],
+                 guidance_scale: float) -> Tensor:
+        return model(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds["encoder_hidden_states"],
+                     pooled_projections=embeds["pooled_projections"], return_dict=False)[0]
+
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FLUX.1
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@MODEL_ADAPTERS.register("flux", modality="image")
+class FluxAdapter(_ImageAdapter):
+    """FLUX.1 (``FluxPipeline``): packed latents (n, H/16 * W/16, 64); CLIP-L (pooled) + T5.
+
+    FLUX.1-dev (``guidance_embeds``) is guidance-distilled: ``guidance_scale`` goes into the guidance embedding and
+    there is one forward per step. A FLUX model without a guidance embedding gets true CFG when the scale is > 1."""
+
+    kind = "flux"
+    modality = "image"
+    pipeline_class = "FluxPipeline"
+    default_max_sequence_length = 512
+    t5_tokenizer = "tokenizer_2"
+
+    @property
+    def guidance_embeds(self) -> bool:
+        return bool(self.pipe.transformer.config.guidance_embeds)
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        return guidance_scale > 1.0 and not self.guidance_embeds
+
+    def _encode_one(self, prompt: str) -> dict[str, Tensor]:
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=[prompt], prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length,
+        )
+        return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
+
+    def latent_shape(self, n: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        scale = self.pipe.vae_scale_factor
+        self._check_size(height, width, 2 * scale)
+        return (n, self.pipe.transformer.config.in_channels // 4, height // scale, width // scale)
+
+    def initial_latents(self, n: int, height: int, width: int, num_frames: int,
+                        generator: torch.Generator | None) -> Tensor:
+        noise = super().initial_latents(n, height, width, num_frames, generator)
+        _, channels, h, w = noise.shape
+        self._latent_grids[(h // 2) * (w // 2)] = (h, w)
+        return self.pipe._pack_latents(noise, n, channels, h, w)
+
+    def _grid(self, seq_len: int) -> tuple[int, int]:
+        """Unpacked latent (h, w) of a packed sequence: the size seen by initial_latents/sigmas, else square."""
+        if seq_len in self._latent_grids:
+            return self._latent_grids[seq_len]
+        side = round(seq_len**0.5)
+        if side * side != seq_len:
+            raise ValueError(f"cannot tell the image size of {seq_len} packed FLUX tokens: call initial_latents "
+                             "or sigmas with the height and width first")
+        return 2 * side, 2 * side
+
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int) -> None:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+        scale = self.pipe.vae_scale_factor
+        h, w = 2 * (height // (2 * scale)), 2 * (width // (2 * scale))
+        self._latent_grids[(h // 2) * (w // 2)] = (h, w)
+        sigmas = None if scheduler.config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps,
+                                                                                         num_steps)
+        c = scheduler.config
+        mu = calculate_shift((h // 2) * (w // 2), c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+
+    def timestep(self, sigma: Tensor) -> Tensor:
+        """FLUX's pipeline passes ``timestep / 1000`` and the transformer multiplies by 1000 itself: so sigma."""
+        return sigma
+
+    def _forward(self, model: nn.Module, x: Tensor, timestep: Tensor, embeds: dict[str, Tensor],
+                 guidance_scale: float) -> Tensor:
+        n, seq_len, _ = x.shape
+        h, w = self._grid(seq_len)
+        text = embeds["encoder_hidden_states"]
+        img_ids = self.pipe._prepare_latent_image_ids(n, h // 2, w // 2, x.device, text.dtype)
+        txt_ids = torch.zeros(text.shape[1], 3, device=x.device, dtype=text.dtype)
+        guidance = None
+        if self.guidance_embeds:
+            guidance = torch.full((n,), float(guidance_scale), device=x.device, dtype=torch.float32)
+        return model(hidden_states=x, timestep=timestep, guidance=guidance, encoder_hidden_states=text,
+                     pooled_projections=embeds["pooled_projections"], txt_ids=txt_ids, img_ids=img_ids,
+                     return_dict=False)[0]
+
+    def _vae_latents(self, latents: Tensor) -> Tensor:
+        h, w = self._grid(latents.shape[1])
+        scale = self.pipe.vae_scale_factor
+        unpacked = self.pipe._unpack_latents(latents, h * scale, w * scale, scale)
+        return super()._vae_latents(unpacked)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Wan2.1 text-to-video
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@MODEL_ADAPTERS.register("wan", modality="video")
+class WanAdapter(FlowAdapter):
+    """Wan2.1 T2V (``WanPipeline``): latents (n, 16, (F - 1)/4 + 1, H/8, W/8); UMT5 text encoder.
+
+    Only the single-transformer pipeline is supported (Wan2.2's two-expert ``transformer_2`` is not). The stock
+    pipeline's UniPC scheduler passes integer timesteps; here the transformer gets the exact ``sigma * 1000`` of the
+    sigma the step kernel uses."""
+
+    kind = "wan"
+    modality = "video"
+    pipeline_class = "WanPipeline"
+    default_max_sequence_length = 512
+
+    def __init__(self, cfg: FlowModelConfig, device: torch.device | str = "cpu", keep_reference: bool = False,
+                 prompt_cache_size: int = 256):
+        super().__init__(cfg, device, keep_reference, prompt_cache_size)
+        if getattr(self.pipe, "transformer_2", None) is not None or self.pipe.config.get("expand_timesteps", False):
+            raise ConfigError(f"bad value for 'model.path': '{cfg.path}' is a Wan2.2 two-expert or TI2V pipeline; "
+                              "mmgrpo supports single-transformer Wan text-to-video pipelines")
+
+    def _encode_one(self, prompt: str) -> dict[str, Tensor]:
+        embeds, _ = self.pipe.encode_prompt(prompt=[prompt], do_classifier_free_guidance=False, device=self.device,
+                                            max_sequence_length=self.max_sequence_length)
+        return {"encoder_hidden_states": embeds}
+
+    def latent_shape(self, n: int, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        spatial, temporal = self.pipe.vae_scale_factor_spatial, self.pipe.vae_scale_factor_temporal
+        self._check_size(height, width, spatial * self.pipe.transformer.config.patch_size[1])
+        if num_frames < 1 or (num_frames - 1) % temporal:
+            raise ConfigError(f"bad value for 'sampling.num_frames': {num_frames} (must be 1 + a multiple of "
+                              f"{temporal} for wan)")
+        channels = self.pipe.transformer.config.in_channels
+        return (n, channels, (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
+
+    def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int) -> None:
+        scheduler.set_timesteps(num_steps, device="cpu")
+
+    def _forward(self, model: nn.Module, x: Tensor, timestep: Tensor, embeds: dict[str, Tensor],
+                 guidance_scale: float) -> Tensor:
+        return model(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds["encoder_hidden_states"],
+                     return_dict=False)[0]
+
+    def _vae_latents(self, latents: Tensor) -> Tensor:
+        config = self.pipe.vae.config
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean, dtype=latents.dtype, device=latents.device).view(shape)
+        std = torch.tensor(config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
+        return latents * std + mean
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building from a config
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_adapter(cfg: FlowModelConfig, device: torch.device | str = "cpu", keep_reference: bool = False,
+                 **kwargs: Any) -> FlowAdapter:
+    """The adapter registered as ``cfg.type`` (or a ``module:Class`` import path), built from ``cfg``.
+
+    An unknown type is a one-line ConfigError naming ``model.type``. ``kwargs`` go to the adapter (e.g.
+    ``prompt_cache_size``)."""
+    try:
+        cls = MODEL_ADAPTERS.get(cfg.type)
+    except RegistryError as err:
+        raise ConfigError(f"bad value for 'model.type': {err}") from err
+    if not (isinstance(cls, type) and issubclass(cls, FlowAdapter)):
+        flow = ", ".join(e.name for e in MODEL_ADAPTERS if isinstance(e.obj, type) and issubclass(e.obj, FlowAdapter))
+        raise ConfigError(f"bad value for 'model.type': '{cfg.type}' is not a flow model adapter (known: {flow})")
+    return cls(cfg, device, keep_reference=keep_reference, **kwargs)
+
