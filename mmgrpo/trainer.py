@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -296,8 +296,10 @@ class Trainer:
         return {k: (max(v) if "max_dev" in k else sum(v) / len(v)) for k, v in merged.items()}
 
     # ----------------------------------------------------------------------------------------- the loop
-    def train(self) -> list[dict[str, Any]]:
-        """Run to ``train.max_steps``; returns the metric rows of this run (main process; empty elsewhere)."""
+    def train(self, should_stop: Callable[[int, dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
+        """Run to ``train.max_steps``, or until ``should_stop(step, last_row)`` returns True after an iteration
+        (it must answer the same on every process). Returns the metric rows of this run (main process; empty
+        elsewhere)."""
         cfg, acc = self.cfg, self.accelerator
         resume_from = checkpoint.resolve_resume(cfg.resume, self.run_dir)
         if acc.is_main_process:
@@ -349,6 +351,8 @@ class Trainer:
                 if every and self.step // every != (self.step - len(rows)) // every:
                     self.save_checkpoint()
                     last_saved = self.step
+                if should_stop is not None and should_stop(self.step, rows[-1]):
+                    break
         finally:
             bar.close()
         if last_saved != self.step:

@@ -165,3 +165,10 @@ def test_recomputed_old_logp_reports_its_distance_from_the_rollout(tmp_path):
     rollout.old_logp = exact + 0.25
     assert abs(trainer.recompute_old_logp(rollout) - 0.25) < 1e-6
     torch.testing.assert_close(rollout.old_logp, exact)
+
+
+def test_should_stop_ends_the_run_early_with_a_checkpoint(tmp_path):
+    cfg = toy(tmp_path, "train.max_steps=20", "train.save_every=0")
+    history = Trainer(cfg).train(should_stop=lambda step, row: step >= 3)
+    assert [r["step"] for r in history] == [1, 2, 3]
+    assert (tmp_path / "checkpoints" / "step-3").is_dir()
