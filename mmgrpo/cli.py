@@ -24,9 +24,13 @@ Nothing was trained and no numbers were produced."""
 
 def _policy_and_weights(cfg: Any) -> Any:
     """The configured policy with the weights of ``cfg.resume`` (a checkpoint path or 'latest') when given."""
+    import torch
+
     from mmgrpo import checkpoint
     from mmgrpo.policy import build_policy
 
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
     policy = build_policy(cfg)
     found = checkpoint.resolve_resume(cfg.resume, Path(cfg.output_dir))
     if cfg.resume and found is None:
@@ -106,6 +110,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_rewards(args: argparse.Namespace) -> int:
+    from mmgrpo.rewards.server import BindError, serve
+
+    try:
+        server = serve(args.config, host=args.host, port=args.port, token_env=args.token_env)
+    except BindError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    names = ", ".join(server.zoo.names)
+    print(f"serving rewards [{names}] on {server.url} (POST /v1/score, GET /health); Ctrl-C stops", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     presets = {"flow": ("text-to-image flow model", "configs/flow/tiny_flowgrpo.yaml"),
                "vlm": ("Qwen2-VL-architecture reasoner", "configs/vlm/tiny_video_tgrpo.yaml")}
@@ -140,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="suite name")
     p.add_argument("--out", help="write the result JSON here")
     p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("serve-rewards", help="serve the rewards of a YAML config over HTTP (for the remote reward)")
+    p.add_argument("config", help="YAML with a 'rewards:' list (as in presets) and an optional 'server:' section, "
+                   "e.g. configs/rewards/image_server.yaml")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1; any other address needs a token)")
+    p.add_argument("--port", type=int, help="TCP port (default 8765; 0 = any free port)")
+    p.add_argument("--token-env", help="environment variable holding the bearer token (default MMGRPO_REWARD_TOKEN)")
+    p.set_defaults(fn=cmd_serve_rewards)
 
     p = sub.add_parser("demo", help="train the tiny shipped models on CPU and report before/after")
     p.add_argument("which", nargs="?", choices=("flow", "vlm"), default="flow")

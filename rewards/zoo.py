@@ -2,12 +2,30 @@
 
 The zoo returns raw per-reward scores. Combining them (weighted sum or GDPO) needs whole groups across processes,
 so it happens in the trainer through :mod:`mmgrpo.grpo.advantages`.
+
+Besides the reward's own constructor arguments, a spec's ``args`` may hold three keys that the zoo takes out before
+building the reward:
+
+- ``device``: where the reward runs (``cuda:1``...). The reward is built there when its constructor takes a
+  ``device`` argument, and moved there with ``.to(device)`` in any case; the batch's images and videos are copied to
+  that device before the call (once per device and call, shared by the rewards on it).
+- ``clip: [lo, hi]``: clamp the reward's main score.
+- ``standardize: true``: z-score the main score over the batch (after ``clip``; NaN ignored). This only puts
+  rewards of different scales on a par before weighting; the per-group normalisation of GRPO still happens later,
+  in the advantages.
+
+Post-processing changes the main score (the column that enters the combination); ``logged`` keeps the raw scores.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import threading
 import time
+import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -15,56 +33,189 @@ import torch
 from mmgrpo.registry import REWARDS
 
 from .base import FunctionReward, Reward, RewardBatch, as_scores, is_trl_signature, main_score, trl_reward
+from .clip_models import one_line
+
+ZOO_ARGS = ("device", "clip", "standardize")
+"""Spec ``args`` keys that configure the zoo, not the reward (see the module notes)."""
+STD_EPS = 1e-8
 
 
-def build_reward(name: str, args: dict[str, Any] | None = None) -> Reward:
+class RewardError(RuntimeError):
+    """A reward raised while scoring; ``str()`` is one line that names the reward."""
+
+
+def _takes_device(obj: Any) -> bool:
+    try:
+        return "device" in inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def build_reward(name: str, args: dict[str, Any] | None = None, device: str | torch.device | None = None) -> Reward:
     """Instantiate a reward by registered name or ``module:attr``.
 
     A class or factory is called with ``args``; a plain function becomes a :class:`FunctionReward` (or a TRL-style
-    wrapper when its first parameters are ``prompts, completions``)."""
+    wrapper when its first parameters are ``prompts, completions``). With ``device``, the reward is built there when
+    its constructor takes ``device``, and moved there with ``.to(device)`` in any case."""
     entry = REWARDS.entry(name)
     obj, args = entry.obj, dict(args or {})
+    if device is not None and _takes_device(obj):
+        args["device"] = device
     if isinstance(obj, type) and issubclass(obj, Reward):
-        return obj(**args)
-    if isinstance(obj, Reward):
+        reward = obj(**args)
+    elif isinstance(obj, Reward):
         if args:
             raise ValueError(f"reward '{name}' is an instance and takes no args (got {sorted(args)})")
-        return obj
-    if callable(obj):
-        if args:
-            made = obj(**args)
-            if isinstance(made, Reward):
-                return made
-            raise ValueError(f"reward '{name}' took args but did not return a Reward")
-        if is_trl_signature(obj):
-            return trl_reward(obj)
-        return FunctionReward(obj, kind=entry.info.get("kind", "pointwise"),
-                              modality=entry.info.get("modality", "any"))
-    raise ValueError(f"reward '{name}' is not callable")
+        reward = obj
+    elif callable(obj) and args:
+        reward = obj(**args)
+        if not isinstance(reward, Reward):
+            raise TypeError(f"reward '{name}' took args but did not return a Reward")
+    elif callable(obj):
+        reward = trl_reward(obj) if is_trl_signature(obj) else FunctionReward(
+            obj, kind=entry.info.get("kind", "pointwise"), modality=entry.info.get("modality", "any"))
+    else:
+        raise ValueError(f"reward '{name}' is not callable")
+    return reward if device is None else reward.to(device)
+
+
+def postprocess(scores: torch.Tensor, clip: tuple[float, float] | None, standardize: bool) -> torch.Tensor:
+    """``scores`` (B,) clamped to ``clip`` and then, with ``standardize``, z-scored over the non-NaN entries
+    (population std; a constant batch becomes zeros). NaN stays NaN."""
+    if clip is not None:
+        scores = scores.clamp(*clip)
+    if standardize:
+        finite = scores[~scores.isnan()]
+        if finite.numel():
+            scores = (scores - finite.mean()) / (finite.std(unbiased=False) + STD_EPS)
+    return scores
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One configured reward and what the zoo does around it."""
+
+    name: str
+    reward: Reward
+    device: torch.device | None
+    clip: tuple[float, float] | None
+    standardize: bool
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+def _zoo_args(name: str, args: dict[str, Any]) -> tuple[torch.device | None, tuple[float, float] | None, bool]:
+    """The checked ``device``, ``clip`` and ``standardize`` of reward ``name``'s spec args."""
+    device = None if args.get("device") is None else torch.device(args["device"])
+    clip = args.get("clip")
+    if clip is not None:
+        if len(clip) != 2 or not float(clip[0]) <= float(clip[1]):
+            raise ValueError(f"reward '{name}': clip must be [lo, hi] with lo <= hi; got {clip!r}")
+        clip = (float(clip[0]), float(clip[1]))
+    standardize = args.get("standardize", False)
+    if not isinstance(standardize, bool):
+        raise TypeError(f"reward '{name}': standardize must be true or false; got {standardize!r}")
+    return device, clip, standardize
 
 
 class RewardZoo:
     """The configured rewards. ``__call__`` returns ``(main (B, R) float64, logged {name: (B,)}, seconds {name})``.
 
     ``main[:, r]`` is reward r's score (its ``score`` sub-score, or the mean of its sub-scores when it returns
-    several); ``logged`` holds every score and sub-score by name for metrics."""
+    several), after the spec's ``clip`` / ``standardize``; ``logged`` holds every raw score and sub-score by name for
+    metrics; ``seconds`` is each reward's wall time. Rewards are built once, here, and kept.
 
-    def __init__(self, specs: Sequence[Any]):
+    Independent rewards run concurrently, one thread each (torch releases the GIL in its kernels, and a reward on
+    its own GPU overlaps fully), under ``torch.no_grad()``. A reward never runs twice at once: concurrent calls of
+    the zoo take turns per reward. ``nan_counts[name]`` counts the samples whose main score was NaN ("does not
+    apply"); a reward whose main score is NaN for a whole batch triggers one warning naming it.
+
+    Args:
+        specs: the rewards, objects with ``name``, ``weight`` and ``args`` (``RewardSpec``); see the module notes for
+            the ``device``, ``clip`` and ``standardize`` args.
+        max_workers: threads scoring rewards at once; None = one per reward, 1 = one after another in the caller's
+            thread.
+    """
+
+    def __init__(self, specs: Sequence[Any], max_workers: int | None = None):
         if not specs:
             raise ValueError("no rewards configured: add at least one entry under 'rewards'")
+        if max_workers is not None and max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1 or None; got {max_workers}")
         self.names = [s.name for s in specs]
         self.weights = torch.tensor([float(s.weight) for s in specs], dtype=torch.float64)
-        self.rewards = [build_reward(s.name, s.args) for s in specs]
+        self.slots = []
+        for spec in specs:
+            args = dict(spec.args or {})
+            device, clip, standardize = _zoo_args(spec.name, args)
+            reward_args = {k: v for k, v in args.items() if k not in ZOO_ARGS}
+            self.slots.append(_Slot(spec.name, build_reward(spec.name, reward_args, device), device, clip,
+                                    standardize))
+        self.rewards = [slot.reward for slot in self.slots]
+        self.max_workers = max_workers or len(self.slots)
+        self.nan_counts = dict.fromkeys(self.names, 0)
+        self._warned: set[str] = set()
+        self._count_lock = threading.Lock()
 
-    def __call__(self, batch: RewardBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
+    def _score(self, slot: _Slot, batch: RewardBatch, on_device: dict[torch.device, RewardBatch],
+               moving: threading.Lock) -> tuple[dict[str, torch.Tensor], float]:
+        """Raw scores of one reward and its wall time; a failure becomes a one-line :class:`RewardError`."""
+        start = time.perf_counter()
+        if slot.device is not None:
+            with moving:
+                if slot.device not in on_device:
+                    on_device[slot.device] = dataclasses.replace(
+                        batch, images=None if batch.images is None else batch.images.to(slot.device),
+                        videos=None if batch.videos is None else batch.videos.to(slot.device))
+                batch = on_device[slot.device]
+        with slot.lock, torch.no_grad():
+            try:
+                output = slot.reward(batch)
+            except Exception as err:
+                raise RewardError(f"reward '{slot.name}' failed: {type(err).__name__}: {one_line(err)}") from err
+        return as_scores(output, len(batch), slot.name), time.perf_counter() - start
+
+    def __call__(self, batch: RewardBatch, only: Sequence[str] | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
+        """Score ``batch`` with every reward, or with the rewards named in ``only`` (then ``main`` has their
+        columns, in the zoo's order)."""
+        slots = self.slots
+        if only is not None:
+            unknown = sorted(set(only) - set(self.names))
+            if unknown:
+                raise ValueError(f"no reward named {unknown} in this zoo (it has {self.names})")
+            slots = [slot for slot in self.slots if slot.name in only]
         n = len(batch)
-        main = torch.empty(n, len(self.rewards), dtype=torch.float64)
+        on_device: dict[torch.device, RewardBatch] = {}
+        moving = threading.Lock()
+        workers = min(self.max_workers, len(slots))
+        if workers <= 1:
+            results = [self._score(slot, batch, on_device, moving) for slot in slots]
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="reward") as pool:
+                futures = [pool.submit(self._score, slot, batch, on_device, moving) for slot in slots]
+                for future in futures:  # wait for every reward before raising the first failure
+                    future.exception()
+                results = [future.result() for future in futures]
+        main = torch.empty(n, len(slots), dtype=torch.float64)
         logged: dict[str, torch.Tensor] = {}
         seconds: dict[str, float] = {}
-        for r, (name, reward) in enumerate(zip(self.names, self.rewards)):
-            start = time.perf_counter()
-            scores = as_scores(reward(batch), n, name)
-            seconds[name] = time.perf_counter() - start
+        for r, (slot, (scores, elapsed)) in enumerate(zip(slots, results)):
             logged.update(scores)
-            main[:, r] = main_score(scores, name)
+            seconds[slot.name] = elapsed
+            raw = main_score(scores, slot.name)
+            self._count_nan(slot.name, raw)
+            main[:, r] = postprocess(raw, slot.clip, slot.standardize)
         return main, logged, seconds
+
+    def _count_nan(self, name: str, scores: torch.Tensor) -> None:
+        nan = int(scores.isnan().sum())
+        with self._count_lock:
+            self.nan_counts[name] += nan
+            warn = 0 < nan == scores.numel() and name not in self._warned
+            if warn:
+                self._warned.add(name)
+        if warn:
+            warnings.warn(f"reward '{name}' returned NaN ('does not apply') for all {nan} samples of a batch; "
+                          "check its inputs and args if it should apply here (warned once)", RuntimeWarning,
+                          stacklevel=3)
+

@@ -1,0 +1,193 @@
+"""The ``remote`` reward: scores through a reward server (``mmgrpo serve-rewards``, :mod:`.server`).
+
+Also the small JSON-over-HTTP client (standard library only) that it and the OpenAI-compatible judge backend share:
+timeouts, retries with exponential backoff, and one-line errors that name the URL.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from typing import Any
+
+import torch
+
+from mmgrpo.registry import REWARDS
+
+from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
+from .clip_models import one_line
+from .server import DEFAULT_TOKEN_ENV, JSON_TYPE, encode_request, is_loopback, scores_from_json
+
+RETRY_STATUS = (429, 502, 503, 504)
+"""HTTP answers worth retrying: rate limited, or a proxy / server that is (re)starting or overloaded."""
+MAX_BACKOFF = 30.0
+FAILURE_POLICIES = ("error", "nan")
+# loopback traffic never goes through a proxy from the environment
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class RemoteError(RuntimeError):
+    """An HTTP request that failed for good; ``str()`` is one line that names the URL."""
+
+
+def request_json(url: str, payload: Any = None, *, body: bytes | None = None, content_type: str = JSON_TYPE,
+                 headers: dict[str, str] | None = None, timeout: float = 60.0, retries: int = 3,
+                 backoff: float = 0.5) -> Any:
+    """GET ``url``, or POST ``payload`` as JSON (or a ready ``body`` of ``content_type``); the decoded JSON answer.
+
+    Connection failures, timeouts and 429/502/503/504 answers are retried ``retries`` times, waiting ``backoff``
+    seconds, doubled after each attempt (at most 30 s). Other HTTP errors and undecodable answers fail at once.
+    ``timeout`` is the socket timeout of each attempt. Raises :class:`RemoteError`."""
+    if payload is not None:
+        body = json.dumps(payload).encode("utf-8")
+    method = "GET" if body is None else "POST"
+    head = {"Accept": JSON_TYPE, **({} if body is None else {"Content-Type": content_type}), **(headers or {})}
+    opener = _DIRECT if is_loopback(urllib.parse.urlsplit(url).hostname or "") else urllib.request.build_opener()
+    problem = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF))
+        try:
+            with opener.open(urllib.request.Request(url, data=body, headers=head, method=method),
+                             timeout=timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as err:
+            problem = f"HTTP {err.code}: {_error_text(err)}"
+            if err.code not in RETRY_STATUS:
+                raise RemoteError(f"{method} {url} failed: {problem}") from None
+            continue
+        except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out (URLError is an OSError)
+            problem = f"{type(err).__name__}: {one_line(getattr(err, 'reason', err), 200)}"
+            continue
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise RemoteError(f"{method} {url} answered something that is not JSON: "
+                              f"{one_line(raw[:200].decode('utf-8', 'replace'))}") from None
+    raise RemoteError(f"{method} {url} failed after {retries + 1} attempts: {problem}")
+
+
+def _error_text(err: urllib.error.HTTPError) -> str:
+    """The ``error`` line of a JSON error body, else the start of the body."""
+    try:
+        raw = err.read()
+    except OSError:
+        return err.reason
+    try:
+        return one_line(json.loads(raw)["error"], 300)
+    except (ValueError, KeyError, TypeError):
+        return one_line(raw[:300].decode("utf-8", "replace")) or str(err.reason)
+
+
+def group_chunks(group: torch.Tensor, max_batch: int) -> list[list[int]]:
+    """Rows of ``group`` (B,) split into chunks of at most ``max_batch`` rows that never split a group (a group
+    larger than ``max_batch`` is a chunk of its own). Groups keep their order of first appearance."""
+    rows: dict[int, list[int]] = {}
+    for row, gid in enumerate(group.tolist()):
+        rows.setdefault(gid, []).append(row)
+    chunks: list[list[int]] = []
+    for members in rows.values():
+        if chunks and len(chunks[-1]) + len(members) <= max_batch:
+            chunks[-1].extend(members)
+        else:
+            chunks.append(list(members))
+    return chunks
+
+
+@REWARDS.register("remote", kind=POINTWISE, modality="any",
+                  description="a reward served by `mmgrpo serve-rewards`, scored over HTTP in batches")
+class RemoteReward(Reward):
+    """A reward of a reward server. Returns the server reward's main score, plus its sub-scores when it has any
+    (as ``score`` and the sub-score names).
+
+    The batch is sent in requests of at most ``max_batch`` samples that hold whole groups, so groupwise server
+    rewards see whole groups. Images and videos travel in memory as ``encoding`` arrays (see :mod:`.server`).
+
+    Args:
+        url: the server's base URL, ``http://host:port``.
+        reward: the server reward to use; None = the server's only reward.
+        kind: ``pointwise`` or ``groupwise``, as the server reward is (checked against the server's answer).
+        max_batch: most samples per request (a group larger than this is sent alone).
+        timeout: socket timeout of each request, in seconds.
+        retries: extra attempts after a connection failure, a timeout or a 429/502/503/504 answer.
+        backoff: seconds before the first retry, doubled after each attempt (at most 30 s).
+        on_failure: ``error`` raises a one-line error naming the URL; ``nan`` scores the samples of failed
+            requests NaN ("does not apply") and warns (``failed_requests`` counts them).
+        token_env: environment variable holding the server's token, sent as ``Authorization: Bearer`` when set.
+        encoding: pixels on the wire, ``float16`` or ``uint8``.
+    """
+
+    modality = "any"
+
+    def __init__(self, url: str, reward: str | None = None, kind: str = POINTWISE, max_batch: int = 32,
+                 timeout: float = 300.0, retries: int = 4, backoff: float = 0.5, on_failure: str = "error",
+                 token_env: str = DEFAULT_TOKEN_ENV, encoding: str = "float16"):
+        if kind not in (POINTWISE, GROUPWISE):
+            raise ValueError(f"remote: kind must be '{POINTWISE}' or '{GROUPWISE}'; got '{kind}'")
+        if on_failure not in FAILURE_POLICIES:
+            raise ValueError(f"remote: on_failure must be one of {FAILURE_POLICIES}; got '{on_failure}'")
+        if encoding not in ("float16", "uint8"):
+            raise ValueError(f"remote: encoding must be 'float16' or 'uint8'; got '{encoding}'")
+        if max_batch < 1 or retries < 0 or timeout <= 0 or backoff < 0:
+            raise ValueError("remote: needs max_batch >= 1, retries >= 0, timeout > 0 and backoff >= 0")
+        self.url = url.rstrip("/")
+        self.reward, self.kind, self.max_batch = reward, kind, int(max_batch)
+        self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
+        self.on_failure, self.encoding = on_failure, encoding
+        token = os.environ.get(token_env)
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.failed_requests = 0
+
+    def _request(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
+        """One request: ``{"score": main, sub: ...}`` for ``batch``."""
+        endpoint = f"{self.url}/v1/score"
+        content_type, body = encode_request(batch, None if self.reward is None else [self.reward], self.encoding)
+        answer = request_json(endpoint, body=body, content_type=content_type, headers=self.headers,
+                              timeout=self.timeout, retries=self.retries, backoff=self.backoff)
+        try:
+            names, kinds = answer["names"], answer["kinds"]
+            if len(names) != 1:
+                raise ValueError(f"remote: the server at {self.url} serves {names}; name one with reward=...")
+            name = names[0]
+            if kinds[name] != self.kind:
+                raise ValueError(f"remote: '{name}' at {self.url} is {kinds[name]} but this reward says "
+                                 f"kind={self.kind}; set kind: {kinds[name]}")
+            out = {"score": scores_from_json(answer["main"][name])}
+            for key, values in answer["scores"].items():
+                if key.startswith(f"{name}/") and key != f"{name}/score":
+                    out[key[len(name) + 1:]] = scores_from_json(values)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise RemoteError(f"POST {endpoint} answered without {one_line(err)}: is it a reward server?") from None
+        if any(v.numel() != len(batch) for v in out.values()):
+            raise RemoteError(f"POST {endpoint} answered {len(out['score'])} scores for {len(batch)} samples")
+        return out
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The server's scores for ``batch``: one tensor, or a dict when the server reward has sub-scores."""
+        parts: list[tuple[list[int], dict[str, torch.Tensor]]] = []
+        failed: list[str] = []
+        for rows in group_chunks(batch.group, self.max_batch):
+            try:
+                parts.append((rows, self._request(batch if len(rows) == len(batch) else batch.select(rows))))
+            except RemoteError as err:
+                if self.on_failure == "error":
+                    raise
+                self.failed_requests += 1
+                failed.append(str(err))
+        if failed:
+            warnings.warn(f"remote reward: {len(failed)} request(s) failed, their samples score NaN: {failed[0]}",
+                          RuntimeWarning, stacklevel=2)
+        keys = list(dict.fromkeys(k for _, part in parts for k in part)) or ["score"]
+        out = {k: torch.full((len(batch),), math.nan, dtype=torch.float64) for k in keys}
+        for rows, part in parts:
+            index = torch.tensor(rows)
+            for key, values in part.items():
+                out[key][index] = values
+        return out["score"] if keys == ["score"] else out

@@ -1,0 +1,363 @@
+"""The reward server and the remote reward, on loopback: wire format, batching, concurrency, restarts, failures,
+tokens, the CLI, and the rewards benchmark on tiny models. Every server is stopped and every retry loop bounded."""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmgrpo.cli import main as cli_main
+from mmgrpo.config import ConfigError, RewardSpec
+from mmgrpo.rewards import RewardBatch, RewardZoo
+from mmgrpo.rewards import bench as reward_bench
+from mmgrpo.rewards import server as server_mod
+from mmgrpo.rewards.remote import RemoteError, RemoteReward, group_chunks, request_json
+from mmgrpo.rewards.server import (
+    BINARY_TYPE,
+    JSON_TYPE,
+    BindError,
+    RewardServer,
+    decode_request,
+    encode_request,
+    is_loopback,
+    load_server_config,
+    serve,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SERVER_MODULE = '''
+import torch
+
+LOG = []  # (client, step, batch size) in the order the server scored the batches
+
+
+def numbered(batch):
+    """Prompts are "<client> <step> <value>": scores the value, logs the batch."""
+    client, step, _ = batch.prompts[0].split()
+    LOG.append((client, int(step), len(batch)))
+    return [float(p.split()[-1]) for p in batch.prompts]
+
+
+def with_subs(batch):
+    return {"score": [10.0 * i for i in range(len(batch))], "extra": [1.0] * len(batch)}
+
+
+def meta_sum(batch):
+    return [float(m["weights"].double().sum()) + len(m["tags"]) for m in batch.meta]
+
+
+def broken(batch):
+    raise ValueError("judge exploded")
+'''
+
+
+@pytest.fixture
+def mod(tmp_path, monkeypatch):
+    """The module above on sys.path as ``server_test_rewards``, its log cleared."""
+    (tmp_path / "server_test_rewards.py").write_text(textwrap.dedent(SERVER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import server_test_rewards
+
+    server_test_rewards.LOG.clear()
+    return server_test_rewards
+
+
+def user(name, **args):
+    return RewardSpec(name=f"server_test_rewards:{name}", args=args)
+
+
+def image_batch(n=6, group_size=2, seed=0):
+    # multiples of 1/256 are exact in float16: scores through the wire equal in-process ones
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 257, (n, 3, 16, 16), generator=g).float() / 256
+    return RewardBatch(prompts=[f"p {i} {i}" for i in range(n)], group=torch.arange(n) // group_size, images=images)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------- wire format
+@pytest.mark.parametrize("binary", [True, False])
+def test_wire_round_trip(binary):
+    batch = image_batch(4)
+    batch.videos = torch.rand(4, 3, 3, 8, 8)
+    batch.completions = ["a", "é", "", "d"]
+    batch.meta = [{"weights": torch.arange(3), "f": torch.ones(2, dtype=torch.float32), "x": [1, {"y": None}]}] * 4
+    content_type, body = encode_request(batch, ["sharpness"], "float16", binary=binary)
+    assert content_type == (BINARY_TYPE if binary else JSON_TYPE)
+    got, names = decode_request(content_type, body)
+    assert names == ["sharpness"] and got.prompts == batch.prompts and got.completions == batch.completions
+    assert torch.equal(got.group, batch.group) and torch.equal(got.images, batch.images)
+    assert (got.videos - batch.videos).abs().max() < 5e-4 and got.videos.dtype == torch.float32
+    assert got.meta[0]["weights"].dtype == torch.int64 and torch.equal(got.meta[0]["weights"], torch.arange(3))
+    assert got.meta[0]["f"].dtype == torch.float32 and got.meta[0]["x"] == [1, {"y": None}]
+
+
+def test_wire_uint8_pixels_and_malformed_requests():
+    batch = image_batch(2)
+    content_type, body = encode_request(batch, None, "uint8")
+    got, names = decode_request(content_type, body)
+    assert names is None and (got.images - batch.images).abs().max() <= 0.5 / 255 + 1e-6
+    head, _, blob = body.partition(b"\n")
+    with pytest.raises(ValueError, match="bad array in images: .*outside"):
+        decode_request(content_type, head + b"\n" + blob[:10])
+    with pytest.raises(ValueError, match="Content-Type must be"):
+        decode_request("text/plain", body)
+    with pytest.raises(ValueError, match="unknown request fields"):
+        decode_request(JSON_TYPE, json.dumps({"prompts": [], "group": [], "oops": 1}).encode())
+    with pytest.raises(ValueError, match="only JSON values and tensors"):
+        encode_request(RewardBatch(prompts=["a"], group=torch.zeros(1, dtype=torch.long), meta=[{"o": object()}]))
+
+
+def test_group_chunks_keep_groups_whole():
+    group = torch.tensor([0, 0, 1, 1, 2, 2, 2, 2, 3, 0])
+    assert group_chunks(group, 4) == [[0, 1, 9], [2, 3], [4, 5, 6, 7], [8]]
+    assert group_chunks(group, 2) == [[0, 1, 9], [2, 3], [4, 5, 6, 7], [8]]  # a big group goes alone
+    assert group_chunks(group, 100) == [[0, 1, 9, 2, 3, 4, 5, 6, 7, 8]]
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+def test_remote_scores_equal_in_process_scores(mod):
+    specs = [RewardSpec(name="sharpness"), user("numbered"), user("with_subs", clip=[0, 15]), user("meta_sum")]
+    batch = image_batch(6)
+    with RewardServer(specs, port=0).start() as server:
+        remote = RemoteReward(server.url, reward="sharpness", max_batch=3)
+        local = RewardZoo([RewardSpec(name="sharpness")])(batch)[0][:, 0]
+        assert torch.equal(remote(batch), local)
+        assert remote.failed_requests == 0
+        RemoteReward(server.url, reward="server_test_rewards:numbered", max_batch=3)(batch)
+        assert [size for _, _, size in mod.LOG] == [2, 2, 2]  # groups of 2, at most 3 per request
+        subs = RemoteReward(server.url, reward="server_test_rewards:with_subs", max_batch=4)(batch)
+        assert subs["score"].tolist() == [0.0, 10.0, 15.0, 15.0, 0.0, 10.0]  # clipped on the server, per request
+        assert subs["extra"].tolist() == [1.0] * 6
+        batch.meta = [{"weights": torch.full((2,), 0.5), "tags": ["a"] * i} for i in range(6)]
+        assert RemoteReward(server.url, reward="server_test_rewards:meta_sum")(batch).tolist() == [1, 2, 3, 4, 5, 6]
+        health = request_json(server.url + "/health")
+        assert health["status"] == "ok" and health["wire_version"] == 1
+        assert {r["name"]: (r["kind"], r["modality"]) for r in health["rewards"]}["sharpness"] == ("pointwise", "image")
+
+
+def test_groupwise_reward_through_the_server():
+    spec = RewardSpec(name="win_rate", args={"base": "sharpness"})
+    batch = image_batch(8, group_size=4)
+    with RewardServer([spec], port=0).start() as server:
+        remote = RemoteReward(server.url, kind="groupwise", max_batch=5)  # the only reward; whole groups of 4
+        out = remote(batch)
+        local = RewardZoo([spec])(batch)[1]
+        assert torch.equal(out["score"], local["win_rate/score"])
+        assert torch.equal(out["failures"], local["win_rate/failures"])
+        with pytest.raises(ValueError, match="is groupwise but this reward says kind=pointwise"):
+            RemoteReward(server.url)(batch)
+
+
+def test_concurrent_clients_get_their_own_results_in_order(mod):
+    clients, steps = 4, 5
+
+    def client(k):
+        reward, results = RemoteReward(server.url, retries=0), []
+        for step in range(steps):
+            values = [k * 100 + step * 10 + i for i in range(4)]
+            batch = RewardBatch(prompts=[f"c{k} {step} {v}" for v in values], group=torch.zeros(4, dtype=int))
+            results.append((reward(batch).tolist(), [float(v) for v in values]))
+        return results
+
+    with RewardServer([user("numbered")], port=0).start() as server, ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client, k) for k in range(clients)]
+        results = [f.result(timeout=60) for f in futures]
+    assert all(got == want for per_client in results for got, want in per_client)
+    for k in range(clients):
+        assert [step for c, step, _ in mod.LOG if c == f"c{k}"] == list(range(steps))
+
+
+def test_client_survives_a_server_restart():
+    batch = image_batch(4)
+    specs = [RewardSpec(name="sharpness")]
+    first = RewardServer(specs, port=0).start()
+    port = int(first.url.rsplit(":", 1)[1])
+    remote = RemoteReward(first.url, retries=12, backoff=0.05)
+    expected = remote(batch)
+    first.stop()
+    out = {}
+    caller = threading.Thread(target=lambda: out.setdefault("scores", remote(batch)))
+    caller.start()
+    time.sleep(0.4)  # the client is retrying against a closed port meanwhile
+    with RewardServer(specs, port=port).start():
+        caller.join(timeout=30)
+    assert not caller.is_alive()
+    assert torch.equal(out["scores"], expected)
+
+
+def test_unreachable_server_fails_in_one_line_or_scores_nan():
+    url = f"http://127.0.0.1:{free_port()}"
+    batch = image_batch(6)
+    with pytest.raises(RemoteError) as info:
+        RemoteReward(url, retries=2, backoff=0.01)(batch)
+    message = str(info.value)
+    assert "\n" not in message and f"POST {url}/v1/score failed after 3 attempts" in message
+    remote = RemoteReward(url, retries=1, backoff=0.01, on_failure="nan", max_batch=2)
+    with pytest.warns(RuntimeWarning, match=f"3 request\\(s\\) failed, their samples score NaN: POST {url}"):
+        scores = remote(batch)
+    assert scores.isnan().all() and remote.failed_requests == 3
+
+
+def test_a_failing_server_reward_is_reported_and_the_server_keeps_serving(mod):
+    with RewardServer([user("broken"), RewardSpec(name="sharpness")], port=0).start() as server:
+        start = time.perf_counter()
+        with pytest.raises(RemoteError, match=f"{server.url}/v1/score failed: HTTP 500: reward "
+                                              "'server_test_rewards:broken' failed: ValueError: judge exploded"):
+            RemoteReward(server.url, reward="server_test_rewards:broken", backoff=5.0)(image_batch(2))
+        assert time.perf_counter() - start < 4.0  # a 500 is not retried
+        assert RemoteReward(server.url, reward="sharpness")(image_batch(2)).shape == (2,)
+        with pytest.raises(RemoteError, match="HTTP 400: this server has no reward \\['nope'\\]"):
+            RemoteReward(server.url, reward="nope")(image_batch(2))
+        with pytest.raises(RemoteError, match="HTTP 400: bad request: the request needs 'prompts'"):
+            request_json(server.url + "/v1/score", {"group": []})
+        with pytest.raises(RemoteError, match="HTTP 404: no such endpoint"):
+            request_json(server.url + "/v2/other")
+
+
+def test_a_taken_port_is_a_one_line_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(BindError, match=f"reward server: cannot listen on 127.0.0.1:{port}: "):
+            RewardServer([RewardSpec(name="sharpness")], port=port)
+
+
+def test_request_size_limit():
+    too_large = pytest.raises(RemoteError, match="HTTP 413: request of .* bytes is over the limit of 10485 bytes")
+    with RewardServer([RewardSpec(name="sharpness")], port=0, max_request_mb=0.01).start() as server, too_large:
+        RemoteReward(server.url)(image_batch(8))
+
+
+# ---------------------------------------------------------------------------------------------------- security
+def test_loopback_addresses():
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.10", "example.com"))
+
+
+def test_refuses_other_addresses_without_a_token_before_binding(monkeypatch, tmp_path):
+    def no_bind(*args, **kwargs):
+        raise AssertionError("the server bound a socket")
+
+    monkeypatch.setattr(server_mod, "_HTTPServer", no_bind)
+    with pytest.raises(ConfigError, match="refusing to serve rewards on '0.0.0.0' without a token"):
+        RewardServer([RewardSpec(name="sharpness")], host="0.0.0.0")
+    config = tmp_path / "serve.yaml"
+    config.write_text("rewards:\n  - name: sharpness\n")
+    monkeypatch.delenv("MMGRPO_TEST_UNSET_TOKEN", raising=False)
+    with pytest.raises(ConfigError, match="set the environment variable MMGRPO_TEST_UNSET_TOKEN"):
+        serve(config, host="0.0.0.0", token_env="MMGRPO_TEST_UNSET_TOKEN")
+
+
+def test_cli_refusal_exits_2(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "serve.yaml"
+    config.write_text("rewards:\n  - name: sharpness\n")
+    monkeypatch.delenv("MMGRPO_TEST_UNSET_TOKEN", raising=False)
+    code = cli_main(["serve-rewards", str(config), "--host", "0.0.0.0", "--token-env", "MMGRPO_TEST_UNSET_TOKEN"])
+    assert code == 2 and "config error: refusing to serve rewards on '0.0.0.0'" in capsys.readouterr().err
+
+
+def test_token_is_required_when_set(monkeypatch):
+    batch = image_batch(2)
+    with RewardServer([RewardSpec(name="sharpness")], port=0, token="s3cret").start() as server:
+        monkeypatch.setenv("MMGRPO_TEST_TOKEN", "wrong")
+        start = time.perf_counter()
+        with pytest.raises(RemoteError, match="HTTP 401: missing or wrong token"):
+            RemoteReward(server.url, token_env="MMGRPO_TEST_TOKEN", backoff=5.0)(batch)
+        assert time.perf_counter() - start < 4.0  # a 401 is not retried
+        big = RewardBatch(prompts=["p"] * 32, group=torch.arange(32), images=torch.rand(32, 3, 128, 128))
+        with pytest.raises(RemoteError, match="HTTP 401"):  # a 3 MB body still gets the answer, not a reset
+            RemoteReward(server.url, token_env="MMGRPO_TEST_TOKEN", retries=0)(big)
+        monkeypatch.delenv("MMGRPO_TEST_TOKEN")
+        with pytest.raises(RemoteError, match="HTTP 401"):
+            RemoteReward(server.url, token_env="MMGRPO_TEST_TOKEN")(batch)
+        with pytest.raises(RemoteError, match="HTTP 401"):
+            request_json(server.url + "/health")
+        monkeypatch.setenv("MMGRPO_TEST_TOKEN", "s3cret")
+        assert RemoteReward(server.url, token_env="MMGRPO_TEST_TOKEN")(batch).shape == (2,)
+        assert request_json(server.url + "/health", headers={"Authorization": "Bearer s3cret"})["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------- config, CLI
+def test_server_config_loading(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("server: {port: 9999}\nrewards:\n  - {name: sharpness, args: {saturate_at: 2.0}}\n")
+    cfg = load_server_config(good)
+    assert cfg.server.port == 9999 and cfg.server.host == "127.0.0.1"
+    assert cfg.rewards[0].name == "sharpness" and cfg.rewards[0].args == {"saturate_at": 2.0}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: {prot: 1}\nrewards: [{name: sharpness}]\n")
+    with pytest.raises(ConfigError, match="unknown key 'server.prot'"):
+        load_server_config(bad)
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("server: {port: 1}\n")
+    with pytest.raises(ConfigError, match="missing required key 'rewards'"):
+        load_server_config(empty)
+    with pytest.raises(ConfigError, match="configured twice"):
+        RewardServer([RewardSpec(name="sharpness"), RewardSpec(name="sharpness")], port=0)
+
+
+def test_shipped_server_configs_load():
+    configs = sorted((ROOT / "configs" / "rewards").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = load_server_config(path)
+        assert cfg.rewards and cfg.server.host == "127.0.0.1", path
+
+
+def test_cli_serves_until_interrupted(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("rewards:\n  - name: sharpness\n")
+    env = {k: v for k, v in os.environ.items() if k != "MMGRPO_REWARD_TOKEN"}
+    proc = subprocess.Popen([sys.executable, "-m", "mmgrpo", "serve-rewards", str(config), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        line = proc.stdout.readline()  # printed once the socket is bound
+        assert line.startswith("serving rewards [sharpness] on http://127.0.0.1:"), line + proc.stderr.read()
+        url = line.split(" on ")[1].split()[0]
+        assert RemoteReward(url, retries=0)(image_batch(2)).shape == (2,)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+def test_rewards_bench_on_tiny_models(tiny_models, monkeypatch):
+    t = tiny_models
+    models = {
+        "clip_score": ("tiny", {"model_name": t.clip_config, "pretrained": t.clip_checkpoint}),
+        "hpsv2": ("tiny", {"checkpoint": t.hps_checkpoint, "model_name": t.clip_config}),
+        "aesthetic": ("tiny", {"clip_model": t.clip_config, "clip_pretrained": t.clip_checkpoint,
+                               "checkpoint": t.aesthetic_checkpoint, "embed_dim": 32}),
+        "pickscore": ("tiny", {"model": t.pick_model, "processor": t.pick_processor}),
+    }
+    monkeypatch.setattr(reward_bench, "_build_models", lambda root: models)
+    monkeypatch.setattr(reward_bench, "REPEATS", {1: 1, 32: 1})
+    threads = torch.get_num_threads()
+    rows, figures = reward_bench.bench_rewards()
+    assert torch.get_num_threads() == threads
+    names = ["format", "accuracy", "jpeg_compressibility", "sharpness", *models]
+    assert list(figures) == [f"batch32_vs_batch1/{n}" for n in names] + ["remote_overhead"]
+    assert all(math.isfinite(v) and v > 0 for v in figures.values())
+    assert [r["reward"] for r in rows] == [*names, "remote(clip_score)"]
+    json.dumps(rows)  # the bench JSON holds no NaN

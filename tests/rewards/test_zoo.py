@@ -1,0 +1,221 @@
+"""RewardZoo: built once, rewards run concurrently, devices, clip/standardize, NaN accounting, one-line failures."""
+
+import math
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+
+from mmgrpo.config import RewardSpec
+from mmgrpo.rewards import RewardBatch, RewardZoo
+from mmgrpo.rewards.zoo import RewardError, postprocess
+
+ZOO_MODULE = '''
+import threading
+
+import torch
+
+from mmgrpo.rewards import Reward
+
+BUILT = []          # one entry per constructor call
+BARRIER = None      # set by a test: rewards that wait on it prove they run at the same time
+SEEN = []           # (reward, thread name, images device) per call
+
+
+class Counting(Reward):
+    """Counts its constructions; scores the prompt length."""
+
+    def __init__(self, offset=0.0):
+        BUILT.append(self)
+        self.offset = offset
+
+    def __call__(self, batch):
+        return torch.tensor([len(p) + self.offset for p in batch.prompts], dtype=torch.float64)
+
+
+class Meeting(Reward):
+    """Waits at BARRIER before scoring, so two of them only finish when they run concurrently."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, batch):
+        SEEN.append(("meeting", threading.current_thread().name, None))
+        BARRIER.wait()
+        return [self.value] * len(batch)
+
+
+class Placed(Reward):
+    """Takes a device in its constructor and records where it was moved and what it was given."""
+
+    def __init__(self, device=None):
+        self.built_on = device
+        self.moved_to = None
+
+    def to(self, device):
+        self.moved_to = torch.device(device)
+        return self
+
+    def __call__(self, batch):
+        SEEN.append(("placed", threading.current_thread().name, batch.images.device.type))
+        return [1.0] * len(batch)
+
+
+class Moved(Reward):
+    """Has no device argument: only .to() places it."""
+
+    def __init__(self):
+        self.moved_to = None
+
+    def to(self, device):
+        self.moved_to = torch.device(device)
+        return self
+
+    def __call__(self, batch):
+        SEEN.append(("moved", threading.current_thread().name, batch.images.device.type))
+        return [2.0] * len(batch)
+
+
+def fixed(batch):
+    return {"score": [1.0, 5.0, 3.0, float("nan")], "extra": [0.0] * 4}
+
+
+def all_nan(batch):
+    return [float("nan")] * len(batch)
+
+
+def broken(batch):
+    raise ZeroDivisionError("boom\\nsecond line")
+
+
+def grad_mode(batch):
+    return [float(torch.is_grad_enabled())] * len(batch)
+'''
+
+
+@pytest.fixture
+def mod(tmp_path, monkeypatch):
+    """The module above on sys.path as ``zoo_test_rewards``, state reset for each test."""
+    (tmp_path / "zoo_test_rewards.py").write_text(textwrap.dedent(ZOO_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import zoo_test_rewards
+
+    zoo_test_rewards.BUILT.clear()
+    zoo_test_rewards.SEEN.clear()
+    return zoo_test_rewards
+
+
+def batch4(**fields):
+    return RewardBatch(prompts=["a", "bb", "ccc", "dddd"], group=torch.tensor([0, 0, 1, 1]), **fields)
+
+
+def spec(name, weight=1.0, **args):
+    return RewardSpec(name=f"zoo_test_rewards:{name}", weight=weight, args=args)
+
+
+def test_rewards_are_built_once_and_kept(mod):
+    zoo = RewardZoo([spec("Counting", offset=1.0), RewardSpec(name="length", args={"max_len": 3})])
+    assert len(mod.BUILT) == 1
+    for _ in range(3):
+        main, _, seconds = zoo(batch4(completions=["x", "yy", "zzz", "wwww"]))
+    assert len(mod.BUILT) == 1 and zoo.rewards[0] is mod.BUILT[0]
+    assert main[:, 0].tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert main.dtype == torch.float64 and main.shape == (4, 2)
+    assert set(seconds) == {"zoo_test_rewards:Counting", "length"} and all(s >= 0 for s in seconds.values())
+    assert zoo.weights.tolist() == [1.0, 1.0] and zoo.names == ["zoo_test_rewards:Counting", "length"]
+
+
+def test_independent_rewards_run_concurrently(mod):
+    # each reward blocks at a 2-party barrier: the call can only finish if both run at the same time
+    mod.BARRIER = threading.Barrier(2, timeout=20)
+    zoo = RewardZoo([spec("Meeting", value=1.0), spec("Meeting", weight=2.0, value=2.0)])
+    main, _, _ = zoo(batch4())
+    assert main.tolist() == [[1.0, 2.0]] * 4
+    assert len({thread for _, thread, _ in mod.SEEN}) == 2
+    # one after another in the caller's thread: the barrier breaks instead
+    mod.BARRIER = threading.Barrier(2, timeout=0.5)
+    with pytest.raises(RewardError, match="reward 'zoo_test_rewards:Meeting' failed: BrokenBarrierError"):
+        RewardZoo([spec("Meeting", value=1.0), spec("Meeting", value=2.0)], max_workers=1)(batch4())
+
+
+@pytest.mark.parametrize("workers", [None, 1])
+def test_rewards_run_without_grad(mod, workers):
+    zoo = RewardZoo([spec("grad_mode"), spec("grad_mode")], max_workers=workers)
+    with torch.enable_grad():
+        main, _, _ = zoo(batch4())
+    assert (main == 0).all()
+
+
+def test_device_arg_places_the_reward_and_its_inputs(mod):
+    # the meta device stands in for a GPU: moving tensors there works without one
+    images = torch.rand(4, 3, 8, 8)
+    zoo = RewardZoo([spec("Placed", device="meta"), spec("Moved", device="meta"), spec("Counting")])
+    placed, moved, counting = zoo.rewards
+    assert placed.built_on == torch.device("meta") and placed.moved_to == torch.device("meta")
+    assert moved.moved_to == torch.device("meta")  # no device parameter: .to() only
+    assert counting.offset == 0.0  # a reward without the arg is built as usual
+    main, _, _ = zoo(batch4(images=images))
+    assert main[:, :2].tolist() == [[1.0, 2.0]] * 4
+    assert sorted(device for _, _, device in mod.SEEN) == ["meta", "meta"]
+    assert images.device.type == "cpu"  # the caller's batch is untouched
+
+
+def test_clip_and_standardize_change_the_main_score_not_the_logged_one(mod):
+    zoo = RewardZoo([spec("fixed", clip=[2.0, 4.0]), spec("fixed", standardize=True),
+                     spec("fixed", clip=[2, 4], standardize=True)])
+    main, logged, _ = zoo(batch4())
+    assert main[:3, 0].tolist() == [2.0, 4.0, 3.0] and math.isnan(main[3, 0])
+    z = torch.tensor([1.0, 5.0, 3.0])
+    expected = (z - z.mean()) / z.std(unbiased=False)
+    torch.testing.assert_close(main[:3, 1], expected.double(), rtol=0, atol=1e-6)
+    clipped = torch.tensor([2.0, 4.0, 3.0])
+    torch.testing.assert_close(main[:3, 2], ((clipped - 3.0) / clipped.std(unbiased=False)).double(),
+                               rtol=0, atol=1e-6)
+    assert math.isnan(main[3, 1]) and math.isnan(main[3, 2])
+    assert logged["zoo_test_rewards:fixed/score"][:3].tolist() == [1.0, 5.0, 3.0]  # raw
+
+
+def test_postprocess_edge_cases():
+    constant = postprocess(torch.full((3,), 7.0, dtype=torch.float64), None, True)
+    assert constant.tolist() == [0.0, 0.0, 0.0]
+    nan = postprocess(torch.full((2,), math.nan, dtype=torch.float64), (0.0, 1.0), True)
+    assert nan.isnan().all()
+
+
+def test_bad_zoo_args_are_named(mod):
+    with pytest.raises(ValueError, match="reward 'zoo_test_rewards:Counting': clip must be"):
+        RewardZoo([spec("Counting", clip=[3, 1])])
+    with pytest.raises(TypeError, match="standardize must be true or false"):
+        RewardZoo([spec("Counting", standardize="yes")])
+    with pytest.raises(ValueError, match="max_workers"):
+        RewardZoo([spec("Counting")], max_workers=0)
+
+
+def test_nan_counts_and_a_single_warning_for_an_all_nan_reward(mod):
+    zoo = RewardZoo([spec("all_nan"), spec("fixed")])
+    with pytest.warns(RuntimeWarning, match="reward 'zoo_test_rewards:all_nan' returned NaN .* all 4 samples"):
+        zoo(batch4())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: a second all-NaN batch is quiet
+        main, _, _ = zoo(batch4())
+    assert main[:, 0].isnan().all()
+    assert zoo.nan_counts == {"zoo_test_rewards:all_nan": 8, "zoo_test_rewards:fixed": 2}
+
+
+def test_a_failing_reward_is_named_in_one_line(mod):
+    zoo = RewardZoo([spec("Counting"), spec("broken")])
+    with pytest.raises(RewardError) as info:
+        zoo(batch4())
+    assert str(info.value) == "reward 'zoo_test_rewards:broken' failed: ZeroDivisionError: boom second line"
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_only_scores_a_subset(mod):
+    zoo = RewardZoo([spec("Counting"), spec("fixed")])
+    main, logged, seconds = zoo(batch4(), only=["zoo_test_rewards:fixed"])
+    assert main.shape == (4, 1) and main[0, 0] == 1.0
+    assert list(seconds) == ["zoo_test_rewards:fixed"] and "zoo_test_rewards:Counting" not in logged
+    with pytest.raises(ValueError, match="no reward named"):
+        zoo(batch4(), only=["nope"])
