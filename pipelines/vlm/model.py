@@ -1,0 +1,251 @@
+"""The vision-language model adapter: loading (tiny, local folder or hub id), LoRA / full fine-tuning, prompt
+encoding through the real processor, the KL reference, and checkpoints.
+
+Any ``AutoModelForImageTextToText`` with the Qwen2-VL processor contract works (Qwen2-VL, Qwen2.5-VL); the tiny
+models (``tiny:qwen2_vl``, ``tiny:qwen2_5_vl``) are loaded through exactly the same ``from_pretrained`` path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mmgrpo.config import ConfigError
+from mmgrpo.pipelines.vlm.config import VLMModelConfig
+from mmgrpo.pipelines.vlm.tiny import KINDS, tiny_path
+from mmgrpo.registry import MODEL_ADAPTERS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
+VISION_CONFIG_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
+"""Names of the vision tower / projector submodules (Qwen2-VL keeps its merger inside ``visual``)."""
+HUB_ID = re.compile(r"[\w-][\w.-]*(/[\w.-]+)?")
+_warned: set[str] = set()
+
+
+def resolve_path(cfg: VLMModelConfig) -> tuple[str, bool]:
+    """``(path, is_local)`` for ``cfg.path``: a tiny kind is built into the cache; a missing local folder is a
+    ConfigError naming ``model.path``."""
+    if cfg.path.startswith("tiny:"):
+        kind = cfg.path.removeprefix("tiny:")
+        if kind not in KINDS:
+            raise ConfigError(f"model.path: unknown tiny model '{cfg.path}' (known: "
+                              f"{', '.join('tiny:' + k for k in KINDS)})")
+        return str(tiny_path(kind)), True
+    local = Path(cfg.path).expanduser()
+    if local.is_dir():
+        return str(local), True
+    if local.exists() or not HUB_ID.fullmatch(cfg.path):
+        raise ConfigError(f"model.path: '{cfg.path}' is not an existing model folder")
+    return cfg.path, False
+
+
+def pick_attention(name: str) -> str:
+    """``name``, or sdpa (with a one-time warning) when flash_attention_2 cannot run here."""
+    if name != "flash_attention_2":
+        return name
+    from transformers.utils import is_flash_attn_2_available
+
+    if torch.cuda.is_available() and is_flash_attn_2_available():
+        return name
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn("model.attn_implementation: flash_attention_2 is not available here (needs CUDA and the "
+                      "flash-attn package); falling back to sdpa", stacklevel=3)
+    return "sdpa"
+
+
+def strip_parallel(model: nn.Module) -> nn.Module:
+    """The module inside DDP / FSDP / DeepSpeed-style wrappers (their ``.module``)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside parallel and PEFT wrappers (for config and helper methods, never for
+    forwards)."""
+    model = strip_parallel(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def module_names(model: nn.Module, names: tuple[str, ...]) -> list[str]:
+    """Qualified names of submodules whose last name component is in ``names`` (outermost only)."""
+    found: list[str] = []
+    for qualified, _ in model.named_modules():
+        last = qualified.rsplit(".", 1)[-1]
+        if last in names and not any(qualified.startswith(f + ".") for f in found):
+            found.append(qualified)
+    return found
+
+
+def language_model_prefix(model: nn.Module) -> str:
+    """Qualified name of the language-model decoder inside ``model`` (e.g. ``model.language_model``)."""
+    decoder = model.get_decoder()
+    for qualified, module in model.named_modules():
+        if module is decoder:
+            return qualified
+    raise ValueError(f"cannot locate the language model inside {type(model).__name__}")
+
+
+@MODEL_ADAPTERS.register("qwen2_vl")
+class VLMModel:
+    """A loaded VLM plus its processor.
+
+    - ``model``: the trainable module (a ``PeftModel`` with LoRA on the language model, or the full model).
+    - ``vision_token_ids``: every vision special token id; generation never samples them.
+    - ``eos_token_ids``: ``<|im_end|>`` and ``<|endoftext|>``; ``pad_token_id`` right-pads completions.
+    """
+
+    def __init__(self, cfg: VLMModelConfig, device: str | torch.device = "cpu", keep_reference: bool = False):
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        if cfg.dtype not in DTYPES:
+            raise ConfigError(f"model.dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.path, local = resolve_path(cfg)
+        attn = pick_attention(cfg.attn_implementation)
+        revision = None if local else cfg.revision
+        try:
+            model = AutoModelForImageTextToText.from_pretrained(
+                self.path, revision=revision, dtype=DTYPES[cfg.dtype], attn_implementation=attn)
+            self.processor = AutoProcessor.from_pretrained(self.path, revision=revision)
+        except (OSError, ValueError) as err:  # missing files / offline hub; a config that is no image-text model
+            where = "the local folder" if local else "the Hugging Face hub (offline or unreachable?)"
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ConfigError(f"model.path: cannot load '{cfg.path}' from {where}: {reason}") from err
+        self.tokenizer = self.processor.tokenizer
+        model.to(self.device)
+        vision = module_names(model, VISION_MODULES)
+        if cfg.freeze_vision:
+            for name in vision:
+                model.get_submodule(name).requires_grad_(False)
+        if cfg.gradient_checkpointing:  # non-reentrant: frozen inputs (LoRA) still get gradients
+            if hasattr(model, "activation_checkpointing_enable"):  # the transformers 5 name
+                model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.reference_model: nn.Module | None = None
+        if cfg.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            prefix = re.escape(language_model_prefix(model))
+            targets = "|".join(re.escape(t) for t in cfg.lora_targets)
+            lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                              target_modules=rf"{prefix}\..*\.({targets})",
+                              modules_to_save=None if cfg.freeze_vision else vision)
+            with warnings.catch_warnings():  # PEFT still calls a deprecated transformers 5 property
+                warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
+                model = get_peft_model(model, lora)
+        elif keep_reference:
+            self.reference_model = copy.deepcopy(model).requires_grad_(False).eval()
+        self.model: nn.Module = model
+
+        vocab = self.tokenizer.get_vocab()
+        config = unwrap(model).config
+        ids = {vocab[t] for t in VISION_TOKENS if t in vocab}
+        ids |= {getattr(config, k) for k in VISION_CONFIG_IDS if getattr(config, k, None) is not None}
+        self.vision_token_ids: list[int] = sorted(ids)
+        self.eos_token_ids: list[int] = sorted({vocab[t] for t in EOS_TOKENS if t in vocab}
+                                               | ({self.tokenizer.eos_token_id} - {None}))
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id: int = pad if pad is not None else self.eos_token_ids[-1]
+        self.vocab_size: int = len(self.tokenizer)
+        """Token ids at or past this are padding rows of the embedding; generation never samples them."""
+
+    @property
+    def is_lora(self) -> bool:
+        return self.cfg.lora_rank > 0
+
+    def prompt_inputs(self, text: str, images: list[torch.Tensor], videos: list[torch.Tensor],
+                      video_fps: list[float] | None = None) -> dict[str, torch.Tensor]:
+        """Chat-template one user turn (the images, then the videos, then ``text``) plus the assistant prompt, and
+        run the processor at the given sizes (each side only rounded to the patch grid, 28 px for Qwen2-VL).
+
+        ``images``: (3,H,W) uint8; ``videos``: (T,3,H,W) uint8, frames already sampled at ``video_fps`` (default
+        2.0 each). Returns batch-1 tensors on ``device``: ``input_ids`` (1,P) int64, ``attention_mask`` (1,P),
+        ``mm_token_type_ids`` (1,P), and ``pixel_values`` (N,C*2*14*14) fp32 + ``image_grid_thw`` (n_img,3) and/or
+        ``pixel_values_videos`` + ``video_grid_thw`` (n_vid,3) (+ ``second_per_grid_ts`` (n_vid,) on Qwen2.5-VL).
+        """
+        for i, image in enumerate(images):
+            if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
+                raise ValueError(f"image {i} must be a (3,H,W) uint8 tensor, got {tuple(image.shape)} {image.dtype}")
+        for i, video in enumerate(videos):
+            if video.dtype != torch.uint8 or video.ndim != 4 or video.shape[1] != 3:
+                raise ValueError(f"video {i} must be a (T,3,H,W) uint8 tensor, got {tuple(video.shape)} {video.dtype}")
+        if video_fps is not None and len(video_fps) != len(videos):
+            raise ValueError(f"video_fps has {len(video_fps)} entries for {len(videos)} videos")
+        content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+        messages = [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+        chat = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kwargs = {}
+        if images:
+            kwargs["images"] = [image.cpu() for image in images]
+            kwargs["images_kwargs"] = {"size": self._keep_size([i.shape[-2:] for i in images], self.processor.
+                                                               image_processor)}
+        if videos:
+            fps = video_fps or [2.0] * len(videos)
+            kwargs["videos"] = [video.cpu() for video in videos]
+            kwargs["videos_kwargs"] = {
+                "size": self._keep_size([v.shape[-2:] for v in videos], self.processor.video_processor),
+                "do_sample_frames": False, "cap_pixels_per_frame": False,
+                "video_metadata": [{"total_num_frames": v.shape[0], "fps": float(f)} for v, f in zip(videos, fps)]}
+        out = self.processor(text=[chat], return_tensors="pt", **kwargs)
+        return {k: torch.as_tensor(v).to(self.device) for k, v in out.items()}
+
+    @staticmethod
+    def _keep_size(sizes: list[torch.Size], processor) -> dict[str, int]:
+        """A processor ``size`` (pixel-count bounds) under which every given (H,W) is only rounded to the grid."""
+        factor = processor.patch_size * processor.merge_size
+        areas = [max(factor, round(h / factor) * factor) * max(factor, round(w / factor) * factor) for h, w in sizes]
+        return {"shortest_edge": min(areas), "longest_edge": max(areas)}
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[nn.Module]:
+        """The KL reference: with LoRA, the same model with the adapter disabled; in full fine-tuning, the frozen
+        copy kept at construction (``keep_reference=True``)."""
+        if self.is_lora:
+            with self.model.disable_adapter():
+                yield self.model
+        elif self.reference_model is not None:
+            yield self.reference_model
+        else:
+            raise RuntimeError("no reference model: full fine-tuning keeps a frozen copy only when VLMModel is "
+                               "built with keep_reference=True (or use LoRA, whose reference is the base model)")
+
+    def save(self, directory: str | Path, model: nn.Module | None = None) -> None:
+        """Write the weights (LoRA: the PEFT adapter as safetensors; full: a ``save_pretrained`` folder that
+        ``AutoModelForImageTextToText.from_pretrained`` loads) and the processor to ``directory``."""
+        model = strip_parallel(model if model is not None else self.model)
+        directory = Path(directory)
+        model.save_pretrained(directory, safe_serialization=True)
+        self.processor.save_pretrained(directory)
+
+    def load(self, directory: str | Path) -> None:
+        """Load weights written by :meth:`save` into ``model`` in place (parameters keep their identity)."""
+        directory = Path(directory)
+        if self.is_lora:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            file = directory / "adapter_model.safetensors"
+            if not file.is_file():
+                raise FileNotFoundError(f"no LoRA adapter at {file}")
+            result = set_peft_model_state_dict(self.model, load_file(file, device=str(self.device)))
+            if result.unexpected_keys:
+                raise ValueError(f"adapter at {directory} does not fit this model: {result.unexpected_keys[:3]}")
+            return
+        from transformers import AutoModelForImageTextToText
+
+        loaded = AutoModelForImageTextToText.from_pretrained(directory, dtype=DTYPES[self.cfg.dtype])
+        self.model.load_state_dict(loaded.state_dict())

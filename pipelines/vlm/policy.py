@@ -1,0 +1,378 @@
+"""The VLM / video reasoning GRPO policy (``pipeline: vlm``).
+
+One rollout, per prompt: decode its images and videos once (:class:`MediaCache`, cleared every rollout), encode the
+prompt once, sample G completions with the prefill shared across the group (:func:`generate_group`), and, with
+T-GRPO, G' more on shuffled frames that are scored but never trained (:mod:`.tgrpo`). Old log-probs are then
+computed by :func:`token_logprobs`, the training forward (Prefix Grouper included when it is on), in the training
+chunking (consecutive rows in ``train.micro_batch_size`` chunks), so the first ratio is exactly 1.
+
+A unit is a completion token: a rollout of N = prompts x G rows has (N, L) log-probs, L the longest completion.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+
+from mmgrpo.config import ConfigError
+from mmgrpo.grpo import kl_estimate
+from mmgrpo.pipelines.vlm import tgrpo
+from mmgrpo.pipelines.vlm.config import VLMConfig
+from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, render_prompt, reward_meta
+from mmgrpo.pipelines.vlm.generation import generate_group
+from mmgrpo.pipelines.vlm.logprobs import token_logprobs
+from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
+from mmgrpo.policy import LogProbs, Policy, Rollout
+from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
+from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
+from mmgrpo.rewards.zoo import RewardError
+
+BAD_MEDIA_POLICIES = ("skip", "error")
+MEDIA_TYPES = ("image", "video", "text")
+SKIP_COUNTERS = ("data/skipped_media", "data/skipped_too_long", "data/replaced")
+"""Counters every rollout logs: items skipped for bad media or an over-long prompt, and replacements drawn."""
+REPLACEMENT_DRAWS = 64
+"""Random training items tried in place of one that is skipped before the rollout gives up."""
+
+
+class PromptTooLong(ValueError):
+    """A prompt whose text plus vision tokens exceed ``data.max_prompt_tokens``."""
+
+
+class BadItem(RuntimeError):
+    """An item that cannot be rolled out while ``data.on_bad_media`` is ``error``."""
+
+
+@dataclass
+class Prepared:
+    """One prompt ready to sample: its item, decoded media and batch-1 model inputs (``VLMModel.prompt_inputs``)."""
+
+    item: dict
+    inputs: dict[str, torch.Tensor]
+    images: list[torch.Tensor] = field(default_factory=list)
+    """(3,H,W) uint8."""
+    videos: list[torch.Tensor] = field(default_factory=list)
+    """(T,3,H,W) uint8."""
+    fps: list[float] = field(default_factory=list)
+    """Sampled fps of each video."""
+
+    def meta(self) -> dict[str, Any]:
+        """Reward meta: ground truth and problem type (:func:`reward_meta`) plus ``frames`` (video frames in)."""
+        sample = self.item.get("sample")
+        meta = reward_meta(sample) if sample is not None else {}
+        meta["frames"] = sum(v.shape[0] for v in self.videos)
+        return meta
+
+
+def item_source(item: dict) -> str:
+    """``file:line`` of the item's sample, or ``prompt`` for a free prompt (``mmgrpo sample --prompt``)."""
+    sample = item.get("sample")
+    return sample.source if sample is not None else "prompt"
+
+
+def media_type(sample: VLMSample) -> str:
+    """``video`` (has a video), ``image`` (images only) or ``text`` (no media)."""
+    return "video" if sample.videos else "image" if sample.images else "text"
+
+
+def check_config(cfg: VLMConfig) -> None:
+    """Raise ConfigError naming the key of a value the vlm policy cannot run with."""
+    gen = cfg.generation
+    if gen.backend == "vllm":
+        raise ConfigError("bad value 'vllm' for 'generation.backend': the vLLM rollout backend is not available in "
+                          "this build (see docs/vlm.md); use 'hf'")
+    if gen.backend != "hf":
+        raise ConfigError(f"bad value '{gen.backend}' for 'generation.backend': expected hf (or vllm, planned)")
+    if gen.max_new_tokens < 1:
+        raise ConfigError(f"bad value for 'generation.max_new_tokens': must be >= 1, got {gen.max_new_tokens}")
+    if gen.eval_temperature < 0 or gen.temperature < 0:
+        raise ConfigError("bad value for 'generation.temperature': temperatures must be >= 0")
+    if cfg.data.on_bad_media not in BAD_MEDIA_POLICIES:
+        raise ConfigError(f"bad value '{cfg.data.on_bad_media}' for 'data.on_bad_media': expected one of "
+                          f"{', '.join(BAD_MEDIA_POLICIES)}")
+    if cfg.data.max_prompt_tokens < 1:
+        raise ConfigError(f"bad value for 'data.max_prompt_tokens': must be >= 1, got {cfg.data.max_prompt_tokens}")
+    unknown = set(cfg.data.media_types) - set(MEDIA_TYPES)
+    if unknown:
+        raise ConfigError(f"bad value {sorted(unknown)} for 'data.media_types': expected some of "
+                          f"{', '.join(MEDIA_TYPES)}")
+    check_video_config(cfg.video)
+
+
+class VLMPolicy(Policy):
+    """GRPO policy over a Qwen2-VL-family model (see the module docstring). ``model`` is ``vlm.model``."""
+
+    def __init__(self, cfg: VLMConfig):
+        check_config(cfg)
+        self.cfg = cfg
+        spec = tgrpo.bonus_spec(cfg)
+        keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
+        self.vlm = VLMModel(cfg.model, PartialState().device, keep_reference=keep_reference)
+        self.model = self.vlm.model
+        self.cache = MediaCache()
+        self.accuracy = None if spec is None else AccuracyReward(**spec.args.get("accuracy_args", {}))
+        self.train_items: list[dict] = []
+        self._bad: dict[str, str] = {}
+        """Source of every item found bad -> the counter it is reported under."""
+        self._zoo: RewardZoo | None = None
+
+    # ------------------------------------------------------------------------------------------------ data
+    def datasets(self) -> tuple[list[dict], list[dict]]:
+        """Items ``{"prompt", "sample"}`` from ``data.train_file`` and ``data.eval_file`` (or the last
+        ``data.num_eval`` training samples); held-out items are capped at ``data.num_eval``."""
+        d = self.cfg.data
+        train = self._read(d.train_file)
+        if d.eval_file is not None:
+            held = self._read(d.eval_file)[:d.num_eval]
+        else:
+            if d.num_eval >= len(train):
+                raise ConfigError(f"bad value for 'data.num_eval': holding out {d.num_eval} of the {len(train)} "
+                                  f"samples of {d.train_file} leaves none to train on (or set data.eval_file)")
+            train, held = train[:len(train) - d.num_eval], train[len(train) - d.num_eval:]
+        self.train_items = [self._item(s) for s in train]
+        return self.train_items, [self._item(s) for s in held]
+
+    def _read(self, path: str) -> list[VLMSample]:
+        """The samples of ``path`` whose kind is in ``data.media_types``; none left is a ConfigError."""
+        kinds = self.cfg.data.media_types
+        samples = [s for s in read_samples(path, self.cfg.data.root) if media_type(s) in kinds]
+        if not samples:
+            raise ConfigError(f"bad value for 'data.media_types': {path} has no samples of kinds {list(kinds)}")
+        return samples
+
+    def _item(self, sample: VLMSample) -> dict:
+        return {"prompt": render_prompt(sample, self.cfg.data.prompt_template), "sample": sample}
+
+    def _prepare(self, item: dict) -> Prepared:
+        """Decode the item's media (through the per-rollout cache) and encode its prompt. Raises MediaError or
+        PromptTooLong."""
+        sample = item.get("sample")
+        images = [self.cache.get_image(p, self.cfg.video) for p in sample.images] if sample is not None else []
+        decoded = [self.cache.get_video(p, self.cfg.video) for p in sample.videos] if sample is not None else []
+        videos, fps = [v for v, _ in decoded], [f for _, f in decoded]
+        inputs = self.vlm.prompt_inputs(item["prompt"], images, videos, fps)
+        length = inputs["input_ids"].shape[1]
+        if length > self.cfg.data.max_prompt_tokens:
+            raise PromptTooLong(f"the prompt has {length} tokens (text + vision), over data.max_prompt_tokens = "
+                                f"{self.cfg.data.max_prompt_tokens}")
+        return Prepared(item, inputs, images, videos, fps)
+
+    def _try_prepare(self, item: dict, counters: dict[str, float]) -> Prepared | None:
+        """:meth:`_prepare`, or None for a bad item, which is counted (``data/skipped_media``,
+        ``data/skipped_too_long``) and warned about; with ``data.on_bad_media: error`` it raises BadItem instead."""
+        source = item_source(item)
+        if source in self._bad:
+            counters[self._bad[source]] += 1
+            return None
+        try:
+            return self._prepare(item)
+        except (MediaError, PromptTooLong) as err:
+            key = "data/skipped_media" if isinstance(err, MediaError) else "data/skipped_too_long"
+            if self.cfg.data.on_bad_media == "error":
+                raise BadItem(f"{source}: {err} (data.on_bad_media is 'error'; 'skip' counts and skips such "
+                              f"items)") from err
+            warnings.warn(f"skipping {source}: {err}", stacklevel=2)
+            if "sample" in item:  # free prompts share one source name; only dataset items are remembered
+                self._bad[source] = key
+            counters[key] += 1
+            return None
+
+    def _prepare_rollout(self, items: list[dict], counters: dict[str, float],
+                         generator: torch.Generator) -> list[Prepared]:
+        """One Prepared per item; a skipped item is replaced by a random valid training item, so the groups and
+        the number of rows per process stay the same."""
+        out = []
+        for item in items:
+            prepared = self._try_prepare(item, counters)
+            draws = 0
+            while prepared is None:
+                if draws == REPLACEMENT_DRAWS or not self.train_items:
+                    raise RuntimeError(f"no valid training item found in {draws} random draws to replace a skipped "
+                                       f"one; {len(self._bad)} items are bad so far (see the warnings)")
+                index = int(torch.randint(len(self.train_items), (1,), generator=generator))
+                prepared = self._try_prepare(self.train_items[index], counters)
+                draws += 1
+                counters["data/replaced"] += prepared is not None
+            out.append(prepared)
+        return out
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    def _generators(self) -> tuple[torch.Generator, torch.Generator]:
+        """(sampling generator on the model device, CPU generator) seeded from the global RNG, so a resumed run
+        (accelerate restores the global RNG) samples the same."""
+        seed = int(torch.randint(0, 2**62, (1,)))
+        device = self.vlm.device
+        return torch.Generator(device=device).manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+
+    def _logprobs(self, module: torch.nn.Module, data: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
+        """(n, L) fp32 log-probs of rollout ``rows`` under ``module``, each chunk trimmed to its longest completion
+        (the same trimming in rollout and training, so the forwards are identical)."""
+        rows = rows.to(data["ids"].device)
+        index = data["prompt_index"][rows]
+        used, local = index.unique(return_inverse=True)
+        mask = data["mask"][rows]
+        width = max(int(mask.sum(1).max()), 1)
+        logp = token_logprobs(module, [data["prompts"][j] for j in used.tolist()], data["ids"][rows, :width],
+                              mask[:, :width], local, self.cfg.prefix_grouper)
+        return torch.nn.functional.pad(logp, (0, data["ids"].shape[1] - width))
+
+    def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:
+        """G completions per item (plus T-GRPO's shuffled ones), rewards' batch, and old log-probs."""
+        cfg = self.cfg
+        self.cache.clear()
+        counters: dict[str, float] = defaultdict(float, dict.fromkeys(SKIP_COUNTERS, 0.0))
+        generator, cpu_generator = self._generators()
+        prepared = self._prepare_rollout(items, counters, cpu_generator)
+        shuffled_count = cfg.tgrpo.shuffled_group_size or group_size
+        ids, masks, truncated, texts, meta, prompts = [], [], [], [], [], []
+        ordered_acc, shuffled_acc = [], []
+        rollout_tokens = 0
+        for p in prepared:
+            out = generate_group(self.vlm, p.inputs, group_size, cfg.generation, generator)
+            rollout_tokens += int(out.mask.sum())
+            base = p.meta()
+            if self.accuracy is not None and p.videos:
+                acc, tokens = tgrpo.shuffled_accuracy(self.vlm, p.item["prompt"], p.images, p.videos, p.fps, base,
+                                                      shuffled_count, cfg, self.accuracy, generator, cpu_generator)
+                rollout_tokens += tokens
+                counters["tokens/shuffled"] += tokens
+                base[SHUFFLED_ACC_KEY] = acc
+                shuffled_acc.append(acc)
+                scored = RewardBatch(prompts=[p.item["prompt"]] * group_size, completions=out.texts,
+                                     group=torch.zeros(group_size, dtype=torch.long), meta=[base] * group_size)
+                ordered_acc.append(torch.as_tensor(self.accuracy(scored), dtype=torch.float64).nanmean().item())
+            ids.append(out.ids)
+            masks.append(out.mask)
+            truncated.append(out.truncated)
+            texts += out.texts
+            meta += [{**base, "truncated": bool(t)} for t in out.truncated.tolist()]
+            prompts.append(p.inputs)
+
+        n = len(texts)
+        width = max(x.shape[1] for x in ids)
+        all_ids = torch.full((n, width), self.vlm.pad_token_id, dtype=torch.long, device=self.vlm.device)
+        all_mask = torch.zeros(n, width, dtype=torch.bool, device=self.vlm.device)
+        row = 0
+        for x, m in zip(ids, masks):
+            all_ids[row:row + len(x), :x.shape[1]] = x
+            all_mask[row:row + len(x), :x.shape[1]] = m
+            row += len(x)
+        all_truncated = torch.cat(truncated).to(self.vlm.device)
+        prompt_index = torch.arange(len(prepared), device=self.vlm.device).repeat_interleave(group_size)
+        data = {"prompts": prompts, "ids": all_ids, "mask": all_mask, "prompt_index": prompt_index}
+        old = torch.zeros(n, width, device=self.vlm.device)
+        for chunk in torch.arange(n).split(cfg.train.micro_batch_size):
+            old[chunk.to(old.device)] = self._logprobs(self.model, data, chunk)
+        trained = all_mask & ~all_truncated[:, None] if cfg.generation.mask_truncated else all_mask
+        counters.update(self._token_counters(data, all_truncated, rollout_tokens))
+        if self.accuracy is not None:
+            counters["tgrpo/video_groups"] = float(len(shuffled_acc))
+            if shuffled_acc:
+                counters["tgrpo/shuffled_acc"] = sum(shuffled_acc) / len(shuffled_acc)
+                counters["tgrpo/ordered_acc"] = sum(ordered_acc) / len(ordered_acc)
+                counters["tgrpo/pass_frac"] = tgrpo.pass_fraction(ordered_acc, shuffled_acc, cfg.tgrpo.mu)
+        group = torch.tensor(group_ids, dtype=torch.long).repeat_interleave(group_size)
+        batch = RewardBatch(prompts=[p.item["prompt"] for p in prepared for _ in range(group_size)],
+                            group=group, completions=texts, meta=meta)
+        return Rollout(group=group.to(self.vlm.device), old_logp=old, mask=trained, reward_batch=batch, data=data,
+                       counters=dict(counters))
+
+    def _token_counters(self, data: dict[str, Any], truncated: torch.Tensor, rollout_tokens: int) -> dict:
+        """``tokens/*``: prompt and vision tokens per prompt, completion lengths, the truncated fraction, tokens
+        sampled in the rollout, and tokens one training pass forwards (``tokens/train``, which the Prefix
+        Grouper shrinks: each prompt once per micro-batch instead of once per completion)."""
+        vision_ids = torch.tensor(self.vlm.vision_token_ids, device=self.vlm.device)
+        prompt_len = [p["input_ids"].shape[1] for p in data["prompts"]]
+        vision = [int(torch.isin(p["input_ids"], vision_ids).sum()) for p in data["prompts"]]
+        lengths = data["mask"].sum(1)
+        train = 0
+        for chunk in torch.arange(len(lengths)).split(self.cfg.train.micro_batch_size):
+            chunk = chunk.to(lengths.device)
+            used = data["prompt_index"][chunk].unique().tolist()
+            if self.cfg.prefix_grouper:
+                train += sum(prompt_len[j] for j in used) + int(lengths[chunk].sum())
+            else:
+                train += len(chunk) * (max(prompt_len[j] for j in used) + int(lengths[chunk].max()))
+        return {"tokens/prompt": sum(prompt_len) / len(prompt_len), "tokens/vision": sum(vision) / len(vision),
+                "tokens/completion": lengths.float().mean().item(), "tokens/completion_max": float(lengths.max()),
+                "tokens/truncated_frac": truncated.float().mean().item(), "tokens/rollout": float(rollout_tokens),
+                "tokens/train": float(train)}
+
+    # ------------------------------------------------------------------------------------------------ training
+    def log_probs(self, rollout: Rollout, rows: torch.Tensor, units: torch.Tensor | None,
+                  with_kl: bool) -> LogProbs:
+        """Token log-probs of ``rows`` under grad with the pixel inputs; with ``with_kl``, the per-token KL
+        (``grpo.kl_estimator``) to the reference (adapter disabled for LoRA, the frozen copy otherwise) computed
+        with the same forward path under no_grad."""
+        logp = self._logprobs(self.model, rollout.data, rows)
+        kl = None
+        if with_kl:
+            with torch.no_grad(), self.vlm.reference() as reference:
+                ref = self._logprobs(reference, rollout.data, rows)
+            kl = kl_estimate(logp, ref, self.cfg.grpo.kl_estimator)
+        if units is not None:
+            units = units.to(logp.device)
+            logp = logp[:, units]
+            kl = None if kl is None else kl[:, units]
+        return LogProbs(logp=logp, kl=kl)
+
+    # ------------------------------------------------------------------------------------------------ eval
+    def generate(self, items: list[dict]) -> RewardBatch:
+        """One completion per item at ``generation.eval_temperature`` (0: greedy). Items without a ``sample``
+        (``mmgrpo sample --prompt``) are text-only; bad items are skipped (or stop the run) as in training."""
+        self.cache.clear()
+        counters: dict[str, float] = defaultdict(float)
+        generator, _ = self._generators()
+        gen_cfg = replace(self.cfg.generation, temperature=self.cfg.generation.eval_temperature)
+        prompts, texts, meta = [], [], []
+        for item in items:
+            p = self._try_prepare(item, counters)
+            if p is None:
+                continue
+            out = generate_group(self.vlm, p.inputs, 1, gen_cfg, generator)
+            prompts.append(item["prompt"])
+            texts += out.texts
+            meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
+        return RewardBatch(prompts=prompts, group=torch.arange(len(prompts)), completions=texts, meta=meta)
+
+    def save_samples(self, batch: RewardBatch, directory: Path, tag: str) -> list[Path]:
+        """``directory/tag.md``: per sample the prompt, ground truth, completion and every configured reward."""
+        directory.mkdir(parents=True, exist_ok=True)
+        scores, note = {}, ""
+        if len(batch) and self.cfg.rewards:
+            try:
+                self._zoo = self._zoo or RewardZoo(self.cfg.rewards)
+                _, scores, _ = self._zoo(batch)
+            except (ValueError, RewardError) as err:  # e.g. free prompts without ground truth
+                note = f"Rewards not computed: {err}\n\n"
+        lines = [f"# {tag}\n", f"{len(batch)} samples.\n", note]
+        for i, (prompt, text, meta) in enumerate(zip(batch.prompts, batch.completions, batch.meta)):
+            lines.append(f"## {i}: {meta.get('source', 'prompt')}\n")
+            lines.append(f"**Prompt**\n\n```\n{prompt}\n```\n")
+            if "answer" in meta:
+                lines.append(f"**Ground truth**: `{meta['answer']}`\n")
+            flag = " (truncated)" if meta.get("truncated") else ""
+            lines.append(f"**Completion**{flag}\n\n```\n{text}\n```\n")
+            if scores:
+                cells = ", ".join(f"{k} {v[i]:.3f}" for k, v in scores.items() if not math.isnan(v[i]))
+                lines.append(f"**Rewards**: {cells or 'none apply'}\n")
+        path = directory / f"{tag}.md"
+        path.write_text("\n".join(lines))
+        return [path]
+
+    # ------------------------------------------------------------------------------------------------ weights
+    def save(self, directory: Path) -> None:
+        """PEFT adapter (LoRA) or a full ``save_pretrained`` folder, plus the processor (:meth:`VLMModel.save`)."""
+        if self.is_main_process:
+            self.vlm.save(directory, self.unwrapped_model())
+
+    def load(self, directory: Path) -> None:
+        self.vlm.load(directory)

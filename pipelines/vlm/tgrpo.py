@@ -1,0 +1,69 @@
+"""T-GRPO (Video-R1) in the rollout: answers sampled on shuffled frames, scored, never trained.
+
+For each prompt with a video, :func:`shuffled_accuracy` samples ``tgrpo.shuffled_group_size`` completions with every
+video's frames in a random non-identity order (prefill shared, as for the ordered group) and returns their mean
+``accuracy`` reward. The policy stores it in each ordered sample's ``meta["tgrpo_shuffled_acc"]``; the groupwise
+``temporal_bonus`` reward (:mod:`mmgrpo.rewards.temporal_bonus`) turns it into the bonus, per prompt group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mmgrpo.config import ConfigError
+from mmgrpo.pipelines.vlm.config import VLMConfig
+from mmgrpo.pipelines.vlm.generation import generate_group
+from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.video import shuffle_frames
+from mmgrpo.rewards import AccuracyReward, RewardBatch
+
+BONUS_REWARD = "temporal_bonus"
+
+
+def bonus_spec(cfg: VLMConfig) -> Any:
+    """The configured ``temporal_bonus`` reward spec, checked against ``tgrpo``; None when T-GRPO is off.
+
+    T-GRPO without the reward would sample shuffled answers for nothing, and the reward without T-GRPO would
+    always be NaN, so either is a ConfigError; so are ``alpha``/``mu`` args that disagree with ``tgrpo.*``."""
+    found = [(i, s) for i, s in enumerate(cfg.rewards) if s.name == BONUS_REWARD]
+    if not cfg.tgrpo.enabled:
+        if found:
+            raise ConfigError(f"rewards.{found[0][0]}: the {BONUS_REWARD} reward needs tgrpo.enabled: true")
+        return None
+    if len(found) != 1:
+        raise ConfigError(f"tgrpo.enabled needs exactly one '{BONUS_REWARD}' entry under 'rewards' (found "
+                          f"{len(found)})")
+    index, spec = found[0]
+    for key in ("alpha", "mu"):
+        value = float(spec.args.get(key, getattr(cfg.tgrpo, key)))
+        if not math.isclose(value, getattr(cfg.tgrpo, key)):
+            raise ConfigError(f"bad value for 'rewards.{index}.args.{key}': {value} differs from tgrpo.{key} = "
+                              f"{getattr(cfg.tgrpo, key)}")
+    if cfg.tgrpo.shuffled_group_size < 0:
+        raise ConfigError(f"bad value for 'tgrpo.shuffled_group_size': must be >= 0, got "
+                          f"{cfg.tgrpo.shuffled_group_size}")
+    return spec
+
+
+def shuffled_accuracy(vlm: VLMModel, prompt: str, images: list[torch.Tensor], videos: list[torch.Tensor],
+                      fps: list[float], meta: dict[str, Any], count: int, cfg: VLMConfig, accuracy: AccuracyReward,
+                      generator: torch.Generator | None, frame_generator: torch.Generator) -> tuple[float, int]:
+    """(mean accuracy, completion tokens) of ``count`` answers to ``prompt`` with each video (T,3,H,W) uint8
+    shuffled along T by ``frame_generator``; ``meta`` is the ordered samples' meta (ground truth, problem type)."""
+    shuffled = [shuffle_frames(v, frame_generator) for v in videos]
+    inputs = vlm.prompt_inputs(prompt, images, shuffled, fps)
+    out = generate_group(vlm, inputs, count, cfg.generation, generator)
+    batch = RewardBatch(prompts=[prompt] * count, group=torch.zeros(count, dtype=torch.long),
+                        completions=out.texts, meta=[meta] * count)
+    scores = torch.as_tensor(accuracy(batch), dtype=torch.float64)
+    return scores.nanmean().item(), int(out.mask.sum())
+
+
+def pass_fraction(ordered_acc: list[float], shuffled_acc: list[float], mu: float) -> float:
+    """Fraction of video groups whose ordered accuracy >= ``mu`` x shuffled accuracy (the temporal test)."""
+    if not ordered_acc:
+        return math.nan
+    return sum(o >= mu * s for o, s in zip(ordered_acc, shuffled_acc)) / len(ordered_acc)

@@ -1,0 +1,148 @@
+"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints in the real on-disk format, built offline.
+
+``build_tiny_vlm`` writes a folder that ``AutoModelForImageTextToText.from_pretrained`` and
+``AutoProcessor.from_pretrained`` load like a hub checkpoint: config + safetensors weights, a byte-level
+``Qwen2Tokenizer`` (256 byte symbols, no merges, the Qwen special tokens and chat template), and the real Qwen2-VL
+image and video processors. ``tiny_path`` builds it once into a cache folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+KINDS = ("qwen2_vl", "qwen2_5_vl")
+VERSION = "v1"
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_symbols() -> list[str]:
+    """The 256 printable symbols that byte-level BPE uses for the bytes 0..255 (GPT-2 mapping), in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
+
+
+def build_tokenizer():
+    """Byte-level ``Qwen2Tokenizer``: ids 0..255 are the bytes, 256.. the Qwen special tokens in Qwen order; no merges."""
+    from transformers import Qwen2Tokenizer
+
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols() + SPECIAL_TOKENS)}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(kind: str, token_ids: dict[str, int], vocab_size: int, hidden_size: int, num_layers: int):
+    """Config of a language model with 4 query / 2 key-value heads (M-RoPE sections split head_dim/2 as 1:1.5:1.5
+    like the real 16:24:24) and a depth-2, width-32 vision tower whose merger outputs ``hidden_size``."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    half = hidden_size // 8  # head_dim / 2 with 4 heads
+    temporal = half // 4
+    height = (half - temporal) // 2
+    sections = [temporal, height, half - temporal - height]
+    text = {"vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": sections},
+            "bos_token_id": token_ids["<|endoftext|>"], "eos_token_id": token_ids["<|im_end|>"],
+            "pad_token_id": token_ids["<|endoftext|>"]}
+    ids = {"image_token_id": token_ids["<|image_pad|>"], "video_token_id": token_ids["<|video_pad|>"],
+           "vision_start_token_id": token_ids["<|vision_start|>"], "vision_end_token_id": token_ids["<|vision_end|>"]}
+    if kind == "qwen2_vl":
+        vision = {"depth": 2, "embed_dim": 32, "hidden_size": hidden_size, "num_heads": 2, "mlp_ratio": 2,
+                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": hidden_size,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+              "fullatt_block_indexes": [1], "tokens_per_second": 2}
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+
+
+def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hidden_size: int = 64,
+                   num_layers: int = 2) -> Path:
+    """Write a tiny random ``kind`` ("qwen2_vl" or "qwen2_5_vl") checkpoint + processor to ``directory``.
+    ``hidden_size`` (a multiple of 64) and ``num_layers`` size the language model (the benchmark uses wider)."""
+    from transformers import (
+        AutoModelForImageTextToText,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny VLM kind '{kind}' (known: {', '.join(KINDS)})")
+    if hidden_size % 64:
+        raise ValueError(f"hidden_size must be a multiple of 64, got {hidden_size}")
+    directory = Path(directory)
+    tokenizer = build_tokenizer()
+    token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = -(-len(tokenizer) // 16) * 16  # padded like the real checkpoints; rows past the tokenizer unused
+    config = tiny_config(kind, token_ids, vocab_size, hidden_size, num_layers)
+    with torch.random.fork_rng(devices=[]):  # leaves the caller's RNG stream untouched
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config)
+    model.generation_config.eos_token_id = [token_ids["<|im_end|>"], token_ids["<|endoftext|>"]]
+    model.generation_config.pad_token_id = token_ids["<|endoftext|>"]
+    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 256 * 28 * 28})
+    video_processor = Qwen2VLVideoProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 128 * 28 * 28})
+    processor_cls = Qwen2VLProcessor if kind == "qwen2_vl" else Qwen2_5_VLProcessor
+    processor = processor_cls(image_processor=image_processor, tokenizer=tokenizer,
+                              video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return directory
+
+
+def cache_root() -> Path:
+    """``$MMGRPO_CACHE`` or ``~/.cache/mmgrpo``."""
+    return Path(os.environ.get("MMGRPO_CACHE") or Path.home() / ".cache" / "mmgrpo")
+
+
+def tiny_path(kind: str) -> Path:
+    """The cached tiny checkpoint folder for ``kind``, built on first use (built aside, then renamed into place)."""
+    target = cache_root() / "tiny" / f"{kind}-{VERSION}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=target.parent))
+    try:
+        build_tiny_vlm(kind, staging)
+        os.rename(staging, target)
+    except OSError:
+        if not target.is_dir():  # a concurrent builder did not win the race: a real failure
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

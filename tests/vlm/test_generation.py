@@ -1,0 +1,131 @@
+"""Group sampling: vision tokens suppressed, EOS / truncation, reproducibility, shared prefill == per-row prefill,
+and decode positions (M-RoPE) that agree with a full forward."""
+
+import pytest
+import torch
+
+from mmgrpo.pipelines.vlm.config import VLMGenerationConfig, VLMModelConfig
+from mmgrpo.pipelines.vlm.generation import generate_group, generate_group_naive, prefill, sample_tokens
+from mmgrpo.pipelines.vlm.logprobs import token_logprobs
+from mmgrpo.pipelines.vlm.model import VLMModel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine, 2 threads stall on each other (about 10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm(request):
+    return VLMModel(VLMModelConfig(path=f"tiny:{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def video_prompt(vlm):
+    image = torch.randint(0, 256, (3, 56, 84), dtype=torch.uint8, generator=seeded(0))
+    video = torch.randint(0, 256, (6, 3, 56, 56), dtype=torch.uint8, generator=seeded(1))
+    return vlm.prompt_inputs("What happens after the flash?", [image], [video], [2.0])
+
+
+def test_vision_tokens_are_never_sampled_and_suppression_is_why(vlm, video_prompt):
+    cfg = VLMGenerationConfig(max_new_tokens=24, temperature=3.0)
+    vision = torch.tensor(vlm.vision_token_ids)
+    out = generate_group(vlm, video_prompt, 16, cfg, seeded(3))
+    assert not torch.isin(out.ids[out.mask], vision).any()
+    assert out.ids.max() < vlm.vocab_size  # embedding rows past the tokenizer are never sampled either
+    saved = vlm.vision_token_ids
+    vlm.vision_token_ids = []
+    try:
+        unsuppressed = generate_group(vlm, video_prompt, 16, cfg, seeded(3))
+    finally:
+        vlm.vision_token_ids = saved
+    assert int(torch.isin(unsuppressed.ids[unsuppressed.mask], vision).sum()) > 0
+
+
+def test_eos_stops_rows_and_truncation_is_flagged(vlm, video_prompt):
+    limit = 40
+    out = generate_group(vlm, video_prompt, 16, VLMGenerationConfig(max_new_tokens=limit), seeded(5))
+    eos = torch.tensor(vlm.eos_token_ids)
+    lengths = out.mask.sum(1)
+    assert out.ids.dtype == torch.int64 and out.mask.dtype == torch.bool and out.truncated.shape == (16,)
+    assert out.ids.shape[1] == int(lengths.max()) <= limit
+    assert 0 < int(out.truncated.sum()) < 16  # this seed gives both kinds of rows
+    for row, n, cut in zip(out.ids, lengths.tolist(), out.truncated.tolist()):
+        real = row[:n]
+        assert not torch.isin(real[:-1], eos).any()  # nothing after an EOS
+        assert cut == (not bool(torch.isin(real[-1:], eos).any()))
+        if cut:
+            assert n == limit
+        assert (row[n:] == vlm.pad_token_id).all()
+    assert all(isinstance(t, str) and "<|" not in t for t in out.texts)
+
+
+def test_texts_are_decoded_without_special_tokens(vlm, video_prompt):
+    out = generate_group(vlm, video_prompt, 4, VLMGenerationConfig(max_new_tokens=8), seeded(0))
+    for row, n, text in zip(out.ids, out.mask.sum(1).tolist(), out.texts):
+        assert text == vlm.tokenizer.decode(row[:n], skip_special_tokens=True)
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator(vlm, video_prompt):
+    cfg = VLMGenerationConfig(max_new_tokens=12, top_p=0.9, top_k=50)
+    a = generate_group(vlm, video_prompt, 4, cfg, seeded(11))
+    b = generate_group(vlm, video_prompt, 4, cfg, seeded(11))
+    c = generate_group(vlm, video_prompt, 4, cfg, seeded(12))
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and a.texts == b.texts
+    assert not torch.equal(a.ids, c.ids)
+
+
+def test_shared_prefill_equals_per_row_prefill(vlm, video_prompt):
+    with torch.no_grad():
+        shared, shared_cache, shared_next = prefill(vlm, video_prompt, 4, True, 8)
+        naive, naive_cache, naive_next = prefill(vlm, video_prompt, 4, False, 8)
+    assert torch.equal(shared_next, naive_next)
+    diff = (shared.log_softmax(-1) - naive.log_softmax(-1)).abs().max()
+    assert diff < 1e-5
+    for a, b in zip(shared_cache.layers, naive_cache.layers):
+        assert a.keys.shape == b.keys.shape and (a.keys - b.keys).abs().max() < 1e-5
+    cfg = VLMGenerationConfig(max_new_tokens=16)
+    a = generate_group(vlm, video_prompt, 4, cfg, seeded(2))
+    b = generate_group_naive(vlm, video_prompt, 4, cfg, seeded(2))
+    assert torch.equal(a.ids, b.ids)
+    assert (a.logprobs - b.logprobs).abs().max() < 1e-5
+
+
+def test_decode_positions_match_the_full_forward(vlm, video_prompt):
+    """Incremental decoding (M-RoPE positions continued from the prompt) scores the sampled tokens like one
+    forward of [prompt; completion]; a wrong position would show up as a large difference."""
+    out = generate_group(vlm, video_prompt, 3, VLMGenerationConfig(max_new_tokens=16), seeded(4))
+    with torch.no_grad():
+        full = token_logprobs(vlm.model, [video_prompt], out.ids, out.mask, torch.zeros(3, dtype=torch.long), False)
+    assert (full - out.logprobs).abs().max() < 1e-4
+    assert (out.logprobs[~out.mask] == 0).all()
+
+
+def test_sampling_in_train_mode_with_gradient_checkpointing(vlm, video_prompt):
+    checkpointed = VLMModel(VLMModelConfig(path=vlm.cfg.path, gradient_checkpointing=True))
+    checkpointed.model.train()
+    cfg = VLMGenerationConfig(max_new_tokens=10)
+    out = generate_group(checkpointed, video_prompt, 3, cfg, seeded(6))
+    assert checkpointed.model.training  # mode restored
+    assert torch.equal(out.ids, generate_group(vlm, video_prompt, 3, cfg, seeded(6)).ids)
+
+
+def test_sample_tokens_filters():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, 2.5]]).expand(400, -1)
+    suppress = torch.tensor([1])
+    greedy = sample_tokens(logits, suppress, VLMGenerationConfig(temperature=0.0), None)
+    assert (greedy == 4).all()
+    top2 = sample_tokens(logits, suppress, VLMGenerationConfig(top_k=2), seeded(0))
+    assert set(top2.tolist()) == {2, 4}
+    nucleus = sample_tokens(logits, suppress, VLMGenerationConfig(top_p=0.5), seeded(0))
+    assert set(nucleus.tolist()) == {4}  # p(4) = 0.52 of the mass left after suppressing id 1
+    free = sample_tokens(logits, torch.tensor([], dtype=torch.long), VLMGenerationConfig(temperature=2.0), seeded(0))
+    assert set(free.tolist()) == {0, 1, 2, 3, 4}

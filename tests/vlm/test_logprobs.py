@@ -1,0 +1,144 @@
+"""token_logprobs: the Prefix Grouper equals the standard forward in log-probs and gradients, both agree with a
+plain transformers forward, and both use the pixels."""
+
+import pytest
+import torch
+
+from mmgrpo.pipelines.vlm import bench
+from mmgrpo.pipelines.vlm.config import VLMModelConfig
+from mmgrpo.pipelines.vlm.logprobs import token_logprobs
+from mmgrpo.pipelines.vlm.model import VLMModel
+
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine, 2 threads stall on each other (about 10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_batch(vlm: VLMModel):
+    """Two prompts (an image; an image + a video) x 3 completions of different lengths, rows interleaved."""
+    image = torch.randint(0, 256, (3, 56, 84), dtype=torch.uint8, generator=seeded(0))
+    video = torch.randint(0, 256, (6, 3, 56, 56), dtype=torch.uint8, generator=seeded(1))
+    prompts = [vlm.prompt_inputs("How many cubes?", [image], []),
+               vlm.prompt_inputs("What moves first?", [image], [video], [2.0])]
+    lengths = torch.tensor([9, 4, 1, 12, 7, 12])
+    ids = torch.randint(0, 256, (6, 12), generator=seeded(2))
+    mask = torch.arange(12) < lengths[:, None]
+    ids[~mask] = vlm.pad_token_id
+    index = torch.tensor([1, 0, 0, 1, 0, 1])
+    return prompts, ids, mask, index
+
+
+def logprobs_and_grads(vlm, prompts, ids, mask, index, grouper: bool):
+    model = vlm.model
+    model.zero_grad(set_to_none=True)
+    logp = token_logprobs(model, prompts, ids, mask, index, grouper)
+    weights = torch.linspace(0.5, 1.5, ids.shape[1])  # a token-mean loss that weighs every token differently
+    ((logp * weights).sum() / mask.sum()).backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vlm(request):
+    return VLMModel(VLMModelConfig(path=f"tiny:{request.param}", freeze_vision=False))
+
+
+def test_prefix_grouper_equals_standard_in_logprobs_and_gradients(vlm):
+    prompts, ids, mask, index = make_batch(vlm)
+    lp_std, g_std = logprobs_and_grads(vlm, prompts, ids, mask, index, False)
+    lp_pg, g_pg = logprobs_and_grads(vlm, prompts, ids, mask, index, True)
+    assert lp_std.dtype == torch.float32 and lp_std.shape == (6, 12)
+    assert (lp_std[~mask] == 0).all() and (lp_pg[~mask] == 0).all()
+    assert (lp_std[mask] < 0).all()
+    assert (lp_std - lp_pg).abs().max() <= TOL
+    assert g_std.keys() == g_pg.keys()
+    assert any(".visual." in n for n in g_std)  # gradients reach the vision tower through both paths
+    for name in g_std:
+        assert (g_std[name] - g_pg[name]).abs().max() <= TOL, name
+
+
+def test_standard_forward_matches_a_plain_transformers_forward(vlm):
+    """Each row equals ``model(**processor inputs of [prompt; completion])`` with transformers' own positions."""
+    prompts, ids, mask, index = make_batch(vlm)
+    with torch.no_grad():
+        ours = token_logprobs(vlm.model, prompts, ids, mask, index, False)
+        for row in (0, 2, 4):
+            prompt, n = prompts[index[row]], int(mask[row].sum())
+            full = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+            full["input_ids"] = torch.cat([prompt["input_ids"], ids[row:row + 1, :n]], dim=1)
+            full["mm_token_type_ids"] = torch.cat([prompt["mm_token_type_ids"],
+                                                   torch.zeros(1, n, dtype=torch.long)], dim=1)
+            logits = vlm.model(**full).logits[0, -n - 1:-1].float()
+            plain = logits.log_softmax(-1).gather(-1, ids[row, :n, None])[:, 0]
+            assert (plain - ours[row, :n]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("grouper", [False, True])
+def test_logprobs_depend_on_the_pixels(vlm, grouper):
+    prompts, ids, mask, index = make_batch(vlm)
+    with torch.no_grad():
+        base = token_logprobs(vlm.model, prompts, ids, mask, index, grouper)
+        changed = [dict(p) for p in prompts]
+        changed[1]["pixel_values_videos"] = changed[1]["pixel_values_videos"].flip(0)
+        moved = token_logprobs(vlm.model, changed, ids, mask, index, grouper)
+    rows = index == 1
+    assert (moved[rows] - base[rows]).abs().max() > 1e-3
+    assert torch.equal(moved[~rows], base[~rows])
+    without = [dict(p) for p in prompts]
+    del without[0]["pixel_values"]
+    with pytest.raises(ValueError, match="pixel_values"):
+        token_logprobs(vlm.model, without, ids, mask, index, grouper)
+
+
+def test_mask_must_mark_a_prefix(vlm):
+    prompts, ids, mask, index = make_batch(vlm)
+    holes = mask.clone()
+    holes[0, 2] = False
+    with pytest.raises(ValueError, match="prefix"):
+        token_logprobs(vlm.model, prompts, ids, holes, index, True)
+
+
+def test_lora_with_gradient_checkpointing_and_the_reference():
+    vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_5_vl", lora_rank=4, gradient_checkpointing=True))
+    with torch.no_grad():
+        for name, p in vlm.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=seeded(3))
+    vlm.model.train()
+    prompts, ids, mask, index = make_batch(vlm)
+    lp_std, g_std = logprobs_and_grads(vlm, prompts, ids, mask, index, False)
+    lp_pg, g_pg = logprobs_and_grads(vlm, prompts, ids, mask, index, True)
+    assert g_std and all("lora_" in n for n in g_std)
+    assert (lp_std - lp_pg).abs().max() <= TOL
+    assert max((g_std[n] - g_pg[n]).abs().max() for n in g_std) <= TOL
+    with torch.no_grad(), vlm.reference() as ref:
+        lp_ref = token_logprobs(ref, prompts, ids, mask, index, True)
+    assert (lp_ref - lp_pg).abs().max() > 1e-3
+
+
+def test_bfloat16_model_gives_fp32_logprobs():
+    vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", dtype="bfloat16"))
+    prompts, ids, mask, index = make_batch(vlm)
+    with torch.no_grad():
+        std = token_logprobs(vlm.model, prompts, ids, mask, index, False)
+        grouped = token_logprobs(vlm.model, prompts, ids, mask, index, True)
+    assert std.dtype == grouped.dtype == torch.float32
+    assert torch.isfinite(std).all() and (std - grouped).abs().max() < 0.1  # bf16 rounding only
+
+
+def test_bench_cell_runs_and_agrees(monkeypatch):
+    monkeypatch.setattr(bench, "REPEATS", 1)
+    vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl"))
+    cell = bench.train_cell(vlm, bench.bench_prompt(vlm, 256), 4)
+    assert cell["max_abs_logprob_diff"] <= TOL and cell["max_abs_grad_diff"] <= TOL
+    assert cell["act_mem_ratio"] > 1.5  # the prompt's activations are held once, not 4 times

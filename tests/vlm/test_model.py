@@ -1,0 +1,246 @@
+"""The tiny real-format VLMs and the model adapter: offline loading, prompt encoding, LoRA scope, freezing,
+reference, and checkpoints."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from mmgrpo.config import ConfigError
+from mmgrpo.pipelines.vlm.config import VLMModelConfig
+from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.tiny import SPECIAL_TOKENS, build_tiny_vlm, tiny_path
+from mmgrpo.registry import MODEL_ADAPTERS
+
+KINDS = ["qwen2_vl", "qwen2_5_vl"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on the shared 2-core machine, 2 threads stall on each other (about 10x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def image(h: int, w: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def video(t: int, h: int, w: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (t, 3, h, w), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def vlm(request):
+    return VLMModel(VLMModelConfig(path=f"tiny:{request.param}"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_builds_and_loads_offline(kind, tmp_path, monkeypatch):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = build_tiny_vlm(kind, tmp_path / kind)
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    processor = AutoProcessor.from_pretrained(folder)
+    expected = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    assert type(model).__name__ == expected[kind]
+    assert type(processor.tokenizer).__name__ == "Qwen2Tokenizer"
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
+    assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
+    assert (folder / "model.safetensors").is_file()
+    tok = processor.tokenizer
+    text = "<think>2+2 ≈ 4, 日本</think><answer>4</answer>"
+    ids = tok(text)["input_ids"]
+    assert len(ids) == len(text.encode()) and max(ids) < 256  # byte level: tags are ordinary text
+    assert tok.decode(ids) == text
+    for special in SPECIAL_TOKENS:
+        assert len(tok(special)["input_ids"]) == 1
+    assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
+    head_dim = model.config.text_config.hidden_size // model.config.text_config.num_attention_heads
+    assert sum(model.config.text_config.rope_parameters["mrope_section"]) * 2 == head_dim
+
+
+def test_tiny_path_builds_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path))
+    first = tiny_path("qwen2_vl")
+    assert first == tmp_path / "tiny" / "qwen2_vl-v1"
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert tiny_path("qwen2_vl") == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert os.listdir(tmp_path / "tiny") == ["qwen2_vl-v1"]  # no staging folder left behind
+
+
+def test_registered_as_model_adapter():
+    assert MODEL_ADAPTERS.get("qwen2_vl") is VLMModel
+
+
+def test_bad_paths_and_dtype_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="model.path") as err:
+        VLMModel(VLMModelConfig(path=str(tmp_path / "missing")))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="model.path") as err:
+        VLMModel(VLMModelConfig(path="nobody-here/no-such-model"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="tiny:qwen2_vl"):
+        VLMModel(VLMModelConfig(path="tiny:llama"))
+    with pytest.raises(ConfigError, match="model.dtype"):
+        VLMModel(VLMModelConfig(path="tiny:qwen2_vl", dtype="float8"))
+
+
+def test_flash_attention_falls_back_to_sdpa_with_a_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", attn_implementation="flash_attention_2"))
+    assert vlm.model.config._attn_implementation == "sdpa"
+    assert any("flash_attention_2" in str(w.message) for w in caught)
+
+
+def test_special_token_ids(vlm):
+    tok = vlm.tokenizer
+    names = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>"]
+    assert vlm.vision_token_ids == sorted(tok.convert_tokens_to_ids(names))
+    assert vlm.eos_token_ids == sorted(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+
+
+def test_prompt_inputs_image_keeps_its_size(vlm):
+    inputs = vlm.prompt_inputs("What colour?", [image(56, 84)], [])
+    assert inputs["input_ids"].shape[0] == 1 and inputs["input_ids"].dtype == torch.int64
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 6]]  # 56x84 px in 14 px patches, no resize
+    assert inputs["pixel_values"].shape[0] == 24
+    pads = int((inputs["input_ids"] == vlm.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum())
+    assert pads == 24 // 4  # 2x2 patches merge into one token
+    text = vlm.tokenizer.decode(inputs["input_ids"][0])
+    assert text.endswith("What colour?<|im_end|>\n<|im_start|>assistant\n")
+    assert text.index("<|vision_start|>") < text.index("What colour?")
+    assert "pixel_values_videos" not in inputs
+
+
+def test_prompt_inputs_video_and_fps(vlm):
+    inputs = vlm.prompt_inputs("What happens?", [], [video(4, 56, 56)], video_fps=[4.0])
+    assert inputs["video_grid_thw"].tolist() == [[2, 4, 4]]  # 4 frames -> 2 temporal patches
+    assert inputs["pixel_values_videos"].shape[0] == 32
+    pads = int((inputs["input_ids"] == vlm.tokenizer.convert_tokens_to_ids("<|video_pad|>")).sum())
+    assert pads == 8
+    if "second_per_grid_ts" in inputs:  # Qwen2.5-VL: 2 frames per temporal patch at 4 fps
+        assert inputs["second_per_grid_ts"].tolist() == [0.5]
+    else:
+        assert type(vlm.model).__name__.startswith("Qwen2VL")
+
+
+def test_prompt_inputs_several_images_and_a_video(vlm):
+    inputs = vlm.prompt_inputs("Compare.", [image(28, 56), image(84, 28, 1)], [video(2, 28, 28)])
+    assert inputs["image_grid_thw"].tolist() == [[1, 2, 4], [1, 6, 2]]
+    assert inputs["video_grid_thw"].tolist() == [[1, 2, 2]]
+    assert int((inputs["input_ids"] == vlm.tokenizer.convert_tokens_to_ids("<|vision_start|>")).sum()) == 3
+    with torch.no_grad():  # placeholders and features agree: the forward runs
+        vlm.model(**inputs)
+
+
+def test_prompt_inputs_rejects_wrong_layouts(vlm):
+    with pytest.raises(ValueError, match="uint8"):
+        vlm.prompt_inputs("x", [image(28, 28).float()], [])
+    with pytest.raises(ValueError, match=r"\(T,3,H,W\)"):
+        vlm.prompt_inputs("x", [], [image(28, 28)])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_targets_only_the_language_model(kind):
+    # gate/up/down_proj also name the Qwen2.5-VL vision MLP: the adapter must still stay in the language model
+    cfg = VLMModelConfig(path=f"tiny:{kind}", lora_rank=4,
+                         lora_targets=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])
+    vlm = VLMModel(cfg)
+    lora = [n for n, _ in vlm.model.named_modules() if n.endswith(("lora_A", "lora_B"))]
+    assert len(lora) == 2 * 2 * 5  # layers x (A, B) x targets
+    assert all(".language_model." in n for n in lora)
+    trainable = [n for n, p in vlm.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def test_freeze_vision_full_and_lora():
+    frozen = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", freeze_vision=True)).model
+    assert not any(p.requires_grad for p in frozen.model.visual.parameters())  # tower and merger
+    assert all(p.requires_grad for p in frozen.model.language_model.parameters())
+    free = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", freeze_vision=False)).model
+    assert all(p.requires_grad for p in free.model.visual.merger.parameters())
+    lora = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", lora_rank=4, freeze_vision=False)).model
+    vision = [n for n, p in lora.named_parameters() if p.requires_grad and ".visual." in n]
+    assert vision and all("modules_to_save" in n for n in vision)  # trained and saved with the adapter
+
+
+def perturb(model: torch.nn.Module, names: tuple[str, ...] = ()) -> None:
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad and (not names or any(k in n for k in names)):
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+
+
+def logits_of(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+def test_lora_reference_is_the_adapter_disabled_base():
+    vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", lora_rank=4))
+    inputs = vlm.prompt_inputs("hi", [image(28, 28)], [])
+    base = logits_of(vlm.model, inputs)
+    perturb(vlm.model, ("lora_B",))
+    assert not torch.allclose(logits_of(vlm.model, inputs), base, atol=1e-4)
+    with vlm.reference() as ref:
+        assert torch.allclose(logits_of(ref, inputs), base, atol=1e-6)
+    assert not torch.allclose(logits_of(vlm.model, inputs), base, atol=1e-4)  # adapter back on
+
+
+def test_full_reference_is_a_frozen_copy_and_required():
+    no_copy = VLMModel(VLMModelConfig(path="tiny:qwen2_vl"))
+    with pytest.raises(RuntimeError, match="keep_reference"), no_copy.reference():
+        pass
+    vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl"), keep_reference=True)
+    inputs = vlm.prompt_inputs("hi", [image(28, 28)], [])
+    base = logits_of(vlm.model, inputs)
+    perturb(vlm.model)
+    with vlm.reference() as ref:
+        assert ref is not vlm.model and not any(p.requires_grad for p in ref.parameters())
+        assert torch.allclose(logits_of(ref, inputs), base, atol=1e-6)
+
+
+def test_full_save_load_round_trip(tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_5_vl"))
+    perturb(vlm.model)
+    vlm.save(tmp_path / "ckpt")
+    inputs = vlm.prompt_inputs("hi", [image(28, 56)], [video(2, 28, 28)])
+    reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt")
+    assert torch.allclose(logits_of(reloaded, inputs), logits_of(vlm.model, inputs), atol=1e-6)
+    AutoProcessor.from_pretrained(tmp_path / "ckpt")
+    fresh = VLMModel(VLMModelConfig(path="tiny:qwen2_5_vl"))
+    params = [p for p in fresh.model.parameters()]
+    fresh.load(tmp_path / "ckpt")
+    assert all(a is b for a, b in zip(params, fresh.model.parameters()))  # loaded in place
+    assert torch.allclose(logits_of(fresh.model, inputs), logits_of(vlm.model, inputs), atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # raised inside PEFT
+def test_lora_save_load_round_trip(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", lora_rank=4))
+    perturb(vlm.model, ("lora_B",))
+    vlm.save(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "adapter" / "model.safetensors").exists()
+    inputs = vlm.prompt_inputs("hi", [image(28, 28)], [])
+    expected = logits_of(vlm.model, inputs)
+    base = AutoModelForImageTextToText.from_pretrained(vlm.path)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    assert torch.allclose(logits_of(peft_model, inputs), expected, atol=1e-6)
+    fresh = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", lora_rank=4))
+    assert not torch.allclose(logits_of(fresh.model, inputs), expected, atol=1e-4)
+    fresh.load(tmp_path / "adapter")
+    assert torch.allclose(logits_of(fresh.model, inputs), expected, atol=1e-6)

@@ -1,0 +1,300 @@
+"""VLMPolicy on the tiny real-format Qwen2-VL: on-policy exactness, KL, bad media, prompt budget, truncation masks,
+and checkpoints that load with transformers / PEFT."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmgrpo.config import ConfigError, RewardSpec, load_config
+from mmgrpo.grpo import ppo_clip_loss
+from mmgrpo.pipelines.vlm.data import read_samples
+from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy
+from mmgrpo.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "assets" / "data" / "vlm_tiny"
+SHORT = ["data.prompt_template='{question}{options}'", "generation.max_new_tokens=6", "train.group_size=3",
+         "train.micro_batch_size=2", "train.prompts_per_step=2", "generation.mask_truncated=true",
+         "logging.progress=false"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, which spin-wait and crawl on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config(tmp_path: Path, preset: str = "tiny_image", overrides: tuple[str, ...] = (), varied: bool = False):
+    """A tiny preset with short prompts and completions; ``varied`` swaps the format reward (0 for a random model)
+    for a length reward, so rewards differ within groups and updates move the weights."""
+    paths = [f"data.train_file={DATA / 'train.jsonl'}", f"data.eval_file={DATA / 'eval.jsonl'}", f"data.root={DATA}",
+             f"output_dir={tmp_path / 'run'}"]
+    cfg = load_config(ROOT / "configs" / "vlm" / f"{preset}.yaml", paths + SHORT + list(overrides))
+    if varied:
+        cfg.rewards[0] = RewardSpec(name="length", args={"min_len": 40, "max_len": 80})
+    return cfg
+
+
+def rollout_of(policy: VLMPolicy, items: list[dict]):
+    with torch.no_grad():
+        return policy.rollout(items, list(range(len(items))), policy.cfg.train.group_size)
+
+
+def relogp(policy: VLMPolicy, rollout, with_kl: bool = False):
+    """Log-probs (and KL) of every row in the training chunking, as the trainer's first inner epoch does."""
+    logp, kl = [], []
+    for rows in torch.arange(len(rollout)).split(policy.cfg.train.micro_batch_size):
+        out = policy.log_probs(rollout, rows, None, with_kl)
+        logp.append(out.logp.detach())
+        kl.append(None if out.kl is None else out.kl.detach())
+    return torch.cat(logp), None if kl[0] is None else torch.cat(kl)
+
+
+@pytest.fixture(scope="module")
+def lora_policy(tmp_path_factory):
+    policy = VLMPolicy(config(tmp_path_factory.mktemp("lora")))
+    policy.datasets()
+    return policy
+
+
+@pytest.mark.parametrize("prefix_grouper", [True, False])
+def test_first_ratio_is_exactly_one(lora_policy, prefix_grouper):
+    policy = lora_policy
+    policy.cfg.prefix_grouper = prefix_grouper
+    try:
+        rollout = rollout_of(policy, policy.train_items[:2])
+        n = 2 * policy.cfg.train.group_size
+        real = rollout.data["mask"]  # every sampled token, trained or not
+        assert rollout.old_logp.shape[0] == n and real.sum() > n
+        logp, _ = relogp(policy, rollout)
+        assert torch.equal(logp[real], rollout.old_logp[real])
+        assert (rollout.old_logp[real] < 0).all() and (rollout.old_logp[~real] == 0).all()
+        assert rollout.counters["tokens/train"] > 0 and rollout.counters["tokens/vision"] > 0
+    finally:
+        policy.cfg.prefix_grouper = True
+
+
+def test_prefix_grouper_matches_the_standard_forward(lora_policy):
+    policy = lora_policy
+    rollout = rollout_of(policy, policy.train_items[2:4])
+    packed, _ = relogp(policy, rollout)
+    policy.cfg.prefix_grouper = False
+    try:
+        standard, _ = relogp(policy, rollout)
+    finally:
+        policy.cfg.prefix_grouper = True
+    assert torch.allclose(packed, standard, atol=1e-4)
+
+
+def test_kl_is_zero_at_init_and_positive_after_an_update_with_lora(lora_policy):
+    policy = lora_policy
+    rollout = rollout_of(policy, policy.train_items[:2])
+    real = rollout.data["mask"]
+    _, kl = relogp(policy, rollout, with_kl=True)
+    assert torch.equal(kl[real], torch.zeros_like(kl[real]))
+    lora = [p for n, p in policy.model.named_parameters() if "lora_" in n]
+    saved = [p.detach().clone() for p in lora]
+    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.5)
+    advantages = torch.linspace(-1, 1, len(rollout))[:, None].expand_as(rollout.old_logp)
+    out = policy.log_probs(rollout, torch.arange(len(rollout)), None, with_kl=False)
+    loss, _, _ = ppo_clip_loss(out.logp, rollout.old_logp, advantages, real, 0.2, 0.2, "token")
+    loss.sum().backward()
+    optimizer.step()
+    try:
+        logp, kl = relogp(policy, rollout, with_kl=True)
+        assert (kl[real] >= 0).all() and kl[real].max() > 0
+        assert not torch.equal(logp[real], rollout.old_logp[real])
+    finally:
+        with torch.no_grad():
+            for p, s in zip(lora, saved):
+                p.copy_(s)
+
+
+def test_truncated_completions_are_masked(lora_policy):
+    policy = lora_policy
+    items = policy.train_items[:2]
+    rollout = rollout_of(policy, items)
+    truncated = torch.tensor([m["truncated"] for m in rollout.reward_batch.meta])
+    full = rollout.data["mask"]
+    assert truncated.any(), "6 tokens from a random model should hit the limit"
+    assert not rollout.mask[truncated.to(full.device)].any()
+    assert torch.equal(rollout.mask[~truncated], full[~truncated])
+    assert full[truncated].all(dim=1).all() and full.shape[1] == policy.cfg.generation.max_new_tokens
+    assert rollout.counters["tokens/truncated_frac"] == pytest.approx(truncated.float().mean().item())
+    policy.cfg.generation.mask_truncated = False
+    try:
+        unmasked = rollout_of(policy, items)
+        assert torch.equal(unmasked.mask, unmasked.data["mask"])
+    finally:
+        policy.cfg.generation.mask_truncated = True
+
+
+def bad_data(tmp_path: Path, good: int = 3) -> Path:
+    """A Video-R1 file: ``good`` valid image questions, then a missing image, a corrupt image and a corrupt video."""
+    (tmp_path / "corrupt.png").write_bytes(b"not a png at all")
+    (tmp_path / "corrupt.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42" + b"\x13" * 64)
+    records = [json.loads(line) for line in (DATA / "train.jsonl").read_text().splitlines()]
+    images = [r for r in records if r["data_type"] == "image"][:good]
+    for r in images:
+        r["path"] = str(DATA / r["path"])
+    bad = [dict(images[0], path=str(tmp_path / "missing.png")), dict(images[0], path=str(tmp_path / "corrupt.png")),
+           dict(images[0], path=str(tmp_path / "corrupt.mp4"), data_type="video")]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in images + bad))
+    return path
+
+
+def test_bad_media_is_skipped_counted_and_replaced(lora_policy, tmp_path):
+    policy = lora_policy
+    items = [policy._item(s) for s in read_samples(bad_data(tmp_path), DATA)]
+    good, bad = items[:3], items[3:]
+    saved = policy.train_items
+    policy.train_items = good
+    try:
+        with pytest.warns(UserWarning, match="skipping"):
+            rollout = rollout_of(policy, [bad[0], good[0], bad[1], bad[2]])
+        g = policy.cfg.train.group_size
+        assert len(rollout) == 4 * g and rollout.group.tolist() == [i for i in range(4) for _ in range(g)]
+        assert rollout.counters["data/skipped_media"] == 3 and rollout.counters["data/replaced"] == 3
+        assert all(m["source"] != b["sample"].source for m in rollout.reward_batch.meta for b in bad)
+        # known-bad items are skipped again without decoding, and still counted
+        again = rollout_of(policy, [bad[1], good[1]])
+        assert again.counters["data/skipped_media"] == 1
+        # every item bad and nothing to replace them with: a clear failure, not an empty rollout
+        policy.train_items = bad
+        with pytest.raises(RuntimeError, match="no valid training item"):
+            rollout_of(policy, bad[:1])
+    finally:
+        policy.train_items = saved
+        policy._bad.clear()
+
+
+def test_bad_media_stops_the_run_with_on_bad_media_error(lora_policy, tmp_path):
+    policy = lora_policy
+    items = [policy._item(s) for s in read_samples(bad_data(tmp_path, good=1), DATA)]
+    policy.cfg.data.on_bad_media = "error"
+    try:
+        with pytest.raises(BadItem, match="missing.png.*on_bad_media"):
+            rollout_of(policy, items[:2])
+    finally:
+        policy.cfg.data.on_bad_media = "skip"
+        policy._bad.clear()
+
+
+def test_prompt_over_the_token_budget(lora_policy):
+    policy = lora_policy
+    long_item = dict(policy.train_items[0], prompt="x" * 300)  # byte-level tokenizer: 300 tokens of text
+    policy.cfg.data.max_prompt_tokens = 200
+    saved = policy.train_items
+    policy.train_items = saved[1:3]
+    try:
+        with pytest.warns(UserWarning, match="data.max_prompt_tokens"):
+            rollout = rollout_of(policy, [long_item, saved[1]])
+        assert rollout.counters["data/skipped_too_long"] == 1 and rollout.counters["data/skipped_media"] == 0
+        assert all(len(p) < 200 for p in rollout.reward_batch.prompts)
+        policy.cfg.data.on_bad_media = "error"
+        policy._bad.clear()
+        with pytest.raises(BadItem, match="tokens"):
+            rollout_of(policy, [long_item])
+    finally:
+        policy.cfg.data.max_prompt_tokens = 1024
+        policy.cfg.data.on_bad_media = "skip"
+        policy.train_items = saved
+        policy._bad.clear()
+
+
+def test_generate_and_save_samples(lora_policy, tmp_path):
+    policy = lora_policy
+    _, held = policy.datasets()
+    batch = policy.generate(held[:2] + [{"prompt": "Say hi."}])
+    assert len(batch) == 3 and batch.meta[2] == {"frames": 0, "truncated": batch.meta[2]["truncated"]}
+    again = policy.generate(held[:2])
+    assert again.completions == batch.completions[:2]  # greedy at eval_temperature 0
+    files = policy.save_samples(batch, tmp_path, "eval")
+    text = files[0].read_text()
+    assert "Say hi." in text and "Rewards not computed" in text  # the free prompt has no ground truth
+    text = policy.save_samples(again, tmp_path, "eval2")[0].read_text()
+    assert "**Rewards**: format 0.000, accuracy" in text and held[0]["prompt"] in text
+
+
+MOVE = ("generation.mask_truncated=false", "grpo.kl_beta=0.1", "grpo.kl_estimator=k1")
+"""k1's gradient is 1 per token even at the reference, so one update moves the weights whatever the rewards."""
+
+
+def run_trainer(cfg) -> tuple[Trainer, list[dict]]:
+    trainer = Trainer(cfg)
+    return trainer, trainer.train()
+
+
+@pytest.mark.parametrize("overrides", [
+    ("grpo.loss=reinforce", "grpo.ratio_level=sequence", "grpo.loss_aggregation=seq-mean-token-sum-norm",
+     "grpo.kl_estimator=k1", "train.num_inner_epochs=2", "train.max_steps=2"),
+    ("grpo.loss=ppo_clip", "grpo.loss_aggregation=seq-mean-token-mean", "grpo.kl_estimator=k2",
+     "train.updates_per_rollout=2", "train.max_steps=2", "prefix_grouper=false"),
+])
+def test_loss_options_start_on_policy_and_stay_finite(tmp_path, overrides):
+    cfg = config(tmp_path, overrides=("train.prompts_per_step=1", "generation.mask_truncated=false",
+                                      "grpo.kl_beta=0.1", "optim.lr=0.05", *overrides), varied=True)
+    _, history = run_trainer(cfg)
+    assert len(history) == 2
+    assert history[0]["ratio/onpolicy_max_dev"] <= 1e-5 and history[0]["kl"] == 0.0
+    for row in history:
+        assert math.isfinite(row["loss"]) and math.isfinite(row["kl"]) and row["tokens/train"] > 0
+    # the second update of the rollout is off-policy once the first one moved the weights (with k1 the KL alone
+    # has a gradient at init; with k2 a group of equal rewards may leave them in place)
+    assert history[1]["ratio/max_dev"] > 0 or history[0]["grad_norm"] == 0
+    assert "k1" not in str(overrides) or history[1]["ratio/max_dev"] > 0
+
+
+def test_lora_checkpoint_loads_with_peft(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    cfg = config(tmp_path, overrides=("train.max_steps=1", "train.prompts_per_step=1", "optim.lr=0.05", *MOVE))
+    trainer, _ = run_trainer(cfg)
+    folder = Path(cfg.output_dir) / "checkpoints" / "step-1" / "policy"
+    assert (folder / "adapter_model.safetensors").is_file()
+    base = AutoModelForImageTextToText.from_pretrained(trainer.policy.vlm.path)
+    loaded = PeftModel.from_pretrained(base, folder)
+    mine = {n: p for n, p in trainer.policy.model.named_parameters() if "lora_" in n}
+    theirs = dict(loaded.named_parameters())
+    assert mine and all(torch.equal(p, theirs[n]) for n, p in mine.items())
+    assert any(n.endswith("lora_B.default.weight") and p.abs().sum() > 0 for n, p in mine.items())
+    fresh = VLMPolicy(cfg)
+    fresh.load(folder)
+    assert all(torch.equal(p, dict(fresh.model.named_parameters())[n]) for n, p in mine.items())
+
+
+def test_full_checkpoint_loads_with_transformers(tmp_path):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    cfg = config(tmp_path, "tiny_video_tgrpo", ("train.max_steps=1", "train.prompts_per_step=1", "optim.lr=0.01",
+                                                 *MOVE))
+    trainer, history = run_trainer(cfg)
+    assert history[0]["ratio/onpolicy_max_dev"] <= 1e-5 and history[0]["grad_norm"] > 0
+    folder = Path(cfg.output_dir) / "checkpoints" / "step-1" / "policy"
+    loaded = AutoModelForImageTextToText.from_pretrained(folder)
+    AutoProcessor.from_pretrained(folder)
+    state = trainer.policy.model.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in loaded.state_dict().items())
+    start = AutoModelForImageTextToText.from_pretrained(trainer.policy.vlm.path).state_dict()
+    assert any(not torch.equal(v, start[k]) for k, v in loaded.state_dict().items())
+    shutil.rmtree(Path(cfg.output_dir) / "checkpoints")
+
+
+def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="generation.backend.*not available"):
+        VLMPolicy(config(tmp_path, overrides=("generation.backend=vllm",)))
+    with pytest.raises(ConfigError, match="data.on_bad_media"):
+        VLMPolicy(config(tmp_path, overrides=("data.on_bad_media=ignore",)))
+    with pytest.raises(ConfigError, match="data.media_types"):
+        VLMPolicy(config(tmp_path, overrides=("data.media_types=[audio]",)))

@@ -1,0 +1,50 @@
+"""Acceptance: the tiny vlm presets train end to end through the CLI, on policy, with token counters; every vlm
+preset (the GPU recipes included) loads and passes the policy's config checks."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmgrpo.config import load_config
+from mmgrpo.pipelines.vlm import tgrpo
+from mmgrpo.pipelines.vlm.policy import check_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = sorted((ROOT / "configs" / "vlm").glob("*.yaml"))
+TOKEN_KEYS = {"tokens/prompt", "tokens/vision", "tokens/completion", "tokens/truncated_frac", "tokens/rollout",
+              "tokens/train"}
+
+
+@pytest.mark.parametrize("preset, extra_keys", [
+    ("tiny_video_tgrpo", {"tgrpo/pass_frac", "tgrpo/shuffled_acc", "reward/temporal_bonus/mean", "tokens/shuffled"}),
+    ("tiny_image", {"reward/format/mean", "reward/accuracy/mean"}),
+])
+def test_tiny_preset_trains_on_policy(tmp_path, preset, extra_keys):
+    out = tmp_path / preset
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # intra-op threads only spin-wait on a shared 2-core machine
+    proc = subprocess.run([sys.executable, "-m", "mmgrpo", "train", f"configs/vlm/{preset}.yaml", "train.max_steps=2",
+                           f"output_dir={out}", "logging.progress=false"],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    first = rows[0]
+    assert first["ratio/onpolicy_max_dev"] <= 1e-5
+    assert TOKEN_KEYS | extra_keys <= set(first) and not any(k.startswith("nfe/") for k in first)
+    assert first["tokens/completion"] > 0 and first["data/skipped_media"] == 0
+    assert (out / "checkpoints" / "step-2" / "policy").is_dir()
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_loads_and_checks(preset):
+    cfg = load_config(preset)
+    assert cfg.pipeline == "vlm"
+    check_config(cfg)
+    assert (tgrpo.bonus_spec(cfg) is not None) == cfg.tgrpo.enabled
+    if not preset.stem.startswith("tiny"):
+        text = preset.read_text()
+        assert "Hardware:" in text and "Sources" in text  # recipes say what they assume and where numbers come from
