@@ -13,10 +13,11 @@ from mmgrpo.config import ConfigError, load_config
 from mmgrpo.registry import RegistryError
 
 DEMO_PLAN = """\
-mmgrpo demo {which}: not available yet.
-When the tiny pretrained models land in assets/, this command will, on this CPU and with no downloads:
-  1. evaluate the shipped tiny {model} on held-out prompts with the task's honest evaluator,
-  2. train it with GRPO ({preset}),
+mmgrpo demo {which}: not available yet in this checkout (missing: {missing}).
+With the tiny pretrained model {asset} and the preset {preset}, this command will, on this CPU and with
+no downloads:
+  1. evaluate the shipped tiny model on held-out prompts with the task's honest evaluator,
+  2. train it with GRPO,
   3. evaluate again, and write report.md (before/after table, reward curve, sample grid) and demo.json
      into {out}.
 Nothing was trained and no numbers were produced."""
@@ -128,12 +129,17 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    presets = {"flow": ("text-to-image flow model", "configs/flow/tiny_flowgrpo.yaml"),
-               "vlm": ("Qwen2-VL-architecture reasoner", "configs/vlm/tiny_video_tgrpo.yaml")}
-    model, preset = presets[args.which]
-    out = args.output_dir or f"runs/demo-{args.which}"
-    print(DEMO_PLAN.format(which=args.which, model=model, preset=preset, out=out), file=sys.stderr)
-    return 1
+    from mmgrpo.demo import DEMOS, missing_parts, run_demo
+
+    missing = missing_parts(args.which)
+    if missing:
+        spec = DEMOS[args.which]
+        out = args.output_dir or f"runs/demo-{args.which}"
+        print(DEMO_PLAN.format(which=args.which, preset=spec.preset, asset=spec.asset, out=out,
+                               missing=", ".join(missing)), file=sys.stderr)
+        return 1
+    run_demo(args.which, args.output_dir, args.minutes)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train the tiny shipped models on CPU and report before/after")
     p.add_argument("which", nargs="?", choices=("flow", "vlm"), default="flow")
     p.add_argument("--output-dir", help="default runs/demo-flow or runs/demo-vlm")
+    p.add_argument("--minutes", type=float, help="training-time budget (default: the demo's own, about 9)")
     p.set_defaults(fn=cmd_demo)
     return parser
 
