@@ -1,10 +1,15 @@
-"""Config schema of the flow/diffusion pipeline (``pipeline: flow``). Every field is documented where it is defined."""
+"""Config schema of the flow/diffusion pipeline (``pipeline: flow``). Every field is documented where it is
+defined."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from mmgrpo.config import BaseConfig
+from mmgrpo.config import BaseConfig, ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+TINY_KINDS = ("sd3", "flux", "wan")
 
 
 @dataclass
@@ -28,11 +33,14 @@ class FlowModelConfig:
     """LoRA alpha (the adapter output is scaled by alpha / rank)."""
     lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     """Module-name suffixes that get LoRA adapters."""
+    max_sequence_length: int | None = None
+    """T5/UMT5 tokens per prompt; None keeps the pipeline's default (SD3 256, FLUX and Wan 512). Shorter is
+    cheaper: the tiny presets use 32, since their images have only a few tokens."""
     gradient_checkpointing: bool = False
     """Recompute transformer activations in backward to save memory."""
     attention_backend: str = "auto"
-    """diffusers attention backend: auto (flash where available, else SDPA), native (SDPA), xformers, flash, ...
-    A backend whose kernel is missing on this machine falls back to SDPA with one warning."""
+    """diffusers attention backend: auto (flash where available, else SDPA), native (SDPA), xformers, flash,
+    ... A backend whose kernel is missing on this machine falls back to SDPA with one warning."""
 
 
 @dataclass
@@ -44,8 +52,8 @@ class FlowSamplingConfig:
     eval_num_steps: int = 40
     """Denoising steps (deterministic ODE) for evaluation and ``mmgrpo sample``."""
     guidance_scale: float = 4.5
-    """Classifier-free guidance scale, used in rollout and training; 1 disables CFG (no unconditional forward).
-    For guidance-distilled FLUX.1-dev it is the embedded guidance value instead."""
+    """Classifier-free guidance scale, used in rollout and training; 1 disables CFG (no unconditional
+    forward). For guidance-distilled FLUX.1-dev it is the embedded guidance value instead."""
     negative_prompt: str = ""
     """Prompt of the unconditional branch."""
     height: int = 512
@@ -54,15 +62,18 @@ class FlowSamplingConfig:
     """Image width in pixels."""
     num_frames: int = 33
     """Frames per video (Wan only)."""
+    fps: int = 16
+    """Frame rate of the videos written to ``samples/`` (Wan2.1 generates 16 fps)."""
     sde: str = "flow_grpo"
-    """Stochastic step kernel: flow_grpo (Flow-GRPO SDE), dance (DanceGRPO SDE) or cps (coefficients-preserving)."""
+    """Stochastic step kernel: flow_grpo (Flow-GRPO SDE), dance (DanceGRPO SDE) or cps
+    (coefficients-preserving)."""
     noise_level: float = 0.7
     """Flow-GRPO SDE noise level a (std_t = a*sqrt(sigma/(1-sigma)))."""
     eta: float = 0.3
     """DanceGRPO eta (std = eta*sqrt(|dt|)) or the CPS eta (std = sigma_prev*sin(eta*pi/2))."""
     latent_dtype: str = "float32"
-    """Storage dtype of rollout latents. The stored next-latent is round-tripped through it before its log-prob
-    is taken, so the ratio stays exactly 1 even in bf16 storage."""
+    """Storage dtype of rollout latents. The stored next-latent is round-tripped through it before its
+    log-prob is taken, so the ratio stays exactly 1 even in bf16 storage."""
 
 
 @dataclass
@@ -75,7 +86,8 @@ class FlowModeConfig:
     train_fraction: float = 0.9
     """flow_grpo: fraction of the first steps that are trained. dance_grpo: fraction trained per sample."""
     window_size: int = 4
-    """mixgrpo / flash / fast: SDE steps in the sliding window."""
+    """mixgrpo / flash / fast: SDE steps in the sliding window. branch with branch_variant=mix: the SDE window
+    is steps [0, window_size) (plus the split steps)."""
     shift_interval: int = 25
     """mixgrpo / flash: iterations between window moves."""
     window_stride: int = 1
@@ -101,7 +113,8 @@ class FlowModeConfig:
     depth_prune_interval: int = 25
     """branch: iterations between depth-pruning window moves."""
     tempflow_candidates: list[int] | None = None
-    """tempflow: steps that may be the single SDE branch step (None: all but the last)."""
+    """tempflow: steps that may be the single SDE branch step, drawn once per group (None: all but the
+    last)."""
     timestep_weighting: str = "uniform"
     """Per-step loss weights for every mode: uniform or noise_aware (TempFlow-GRPO)."""
 
@@ -111,10 +124,11 @@ class FlowDataConfig:
     """Where prompts come from."""
 
     train_prompts: str = "???"
-    """A .txt file (one prompt per line) or .jsonl (objects with ``prompt`` plus any metadata the rewards read),
-    or ``task:NAME`` for a registered synthetic task."""
+    """A .txt file (one prompt per line) or .jsonl (objects with ``prompt`` plus any metadata the rewards
+    read), or ``task:NAME`` for a registered synthetic task."""
     eval_prompts: str | None = None
-    """Held-out prompts in the same formats; None uses the task's held-out split or the first training prompts."""
+    """Held-out prompts in the same formats; None uses the task's held-out split or the first training
+    prompts."""
     num_eval: int = 16
     """Held-out prompts used by in-loop evaluation."""
 
@@ -128,3 +142,37 @@ class FlowConfig(BaseConfig):
     sampling: FlowSamplingConfig = field(default_factory=FlowSamplingConfig)
     mode: FlowModeConfig = field(default_factory=FlowModeConfig)
     data: FlowDataConfig = field(default_factory=FlowDataConfig)
+
+    def validate(self) -> None:
+        """Value checks run when the config is loaded, before any model is: dtypes, a local model folder that
+        does not exist, and every ``mode.*`` / ``sampling.sde`` setting (by building the rollout mode)."""
+        dtypes = {"model.dtype": self.model.dtype, "sampling.latent_dtype": self.sampling.latent_dtype}
+        for key, value in dtypes.items():
+            if value not in DTYPES:
+                raise ConfigError(f"bad value '{value}' for '{key}': expected one of {', '.join(DTYPES)}")
+        check_model_path(self.model.path)
+        for key in ("sampling.eval_num_steps", "sampling.height", "sampling.width", "sampling.num_frames",
+                    "sampling.fps", "data.num_eval"):
+            section, name = key.split(".")
+            if getattr(getattr(self, section), name) < 1:
+                raise ConfigError(f"bad value for '{key}': must be >= 1")
+        if self.model.max_sequence_length is not None and self.model.max_sequence_length < 1:
+            raise ConfigError("bad value for 'model.max_sequence_length': must be >= 1 (null: the default)")
+        if self.model.lora_rank < 0:
+            raise ConfigError("bad value for 'model.lora_rank': must be >= 0 (0 trains the full transformer)")
+        from .modes import build_mode
+
+        build_mode(self)
+
+
+def check_model_path(path: str) -> None:
+    """``tiny:KIND``, a hub id (``org/name``) or an existing local folder; otherwise a ConfigError naming
+    ``model.path``. A path is local when it starts with ``/``, ``.`` or ``~``, has no ``/`` or more than
+    one."""
+    if path.startswith("tiny:"):
+        if path[len("tiny:"):] not in TINY_KINDS:
+            raise ConfigError(f"bad value '{path}' for 'model.path': tiny models are {', '.join(TINY_KINDS)}")
+        return
+    local = path.startswith(("/", ".", "~")) or path.count("/") != 1
+    if local and not os.path.isdir(os.path.expanduser(path)):
+        raise ConfigError(f"bad value for 'model.path': local model folder not found: {path}")

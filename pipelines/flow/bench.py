@@ -1,0 +1,234 @@
+"""``mmgrpo bench flow-modes``: seconds per iteration, NFE and memory of every tiny flow preset.
+
+Every preset runs on the same tiny SD3, prompts, resolution, step count and group (``configs/flow/tiny_base.yaml``).
+
+Time: all presets live in one process and share one loaded model, and their iterations are interleaved round-robin
+(one warm-up round, then ``ROUNDS`` timed rounds), so that a shared machine's load hits every preset alike; each
+preset's time is the median of its rounds. An iteration is what ``Trainer.train`` runs per optimiser step: rollout,
+rewards, advantages (and the branch recomputation) and the update; no evaluation or checkpointing.
+
+``loop_overhead``: iteration time divided by the time spent inside the transformer during that iteration, timed
+around every forward call of the transformer and every backward pass (so the pure model compute of exactly the
+iteration's NFEs, measured under the same load). ``raw_overhead`` is the same ratio against separately timed raw
+calls (a micro-batch forward, and forward + backward) times the number of calls the NFE counters imply; it is noisy
+on a shared machine and only given for presets whose calls are all full micro-batches.
+
+Memory: each preset also runs alone in a fresh process for ``MEMORY_ITERATIONS`` iterations: its peak resident set
+size (``ru_maxrss``) and the growth of that peak over the size after loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmgrpo.bench import BENCHES, median_seconds
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = ROOT / "configs" / "flow"
+PRESETS = ("tiny_flowgrpo", "tiny_dancegrpo", "tiny_mixgrpo", "tiny_mixgrpo_flash", "tiny_branchgrpo",
+           "tiny_tempflow")
+ROUNDS = 5
+"""Timed iterations per preset (after one warm-up iteration)."""
+MEMORY_ITERATIONS = 2
+FIGURES = {"mixgrpo_vs_flowgrpo": ("tiny_mixgrpo", "tiny_flowgrpo"),
+           "mixgrpo_flash_vs_flowgrpo": ("tiny_mixgrpo_flash", "tiny_flowgrpo"),
+           "branchgrpo_vs_dancegrpo": ("tiny_branchgrpo", "tiny_dancegrpo")}
+
+
+class ModelClock:
+    """Seconds spent inside the transformer's forward calls and the trainers' backward passes."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.seconds = 0.0
+        self._start = 0.0
+        module.register_forward_pre_hook(lambda *_: self._begin())
+        module.register_forward_hook(lambda *_: self._end())
+
+    def _begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def _end(self) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    def time_backward(self, accelerator: Any) -> None:
+        """Time ``accelerator.backward`` too (the backward of the transformer dominates it)."""
+        backward = accelerator.backward
+
+        def timed(loss: torch.Tensor, **kwargs: Any) -> None:
+            self._begin()
+            backward(loss, **kwargs)
+            self._end()
+
+        accelerator.backward = timed
+
+
+def build_trainers(output_dir: str, presets: tuple[str, ...] = PRESETS) -> dict[str, Any]:
+    """A trainer per preset, all sharing one loaded model (the presets differ only in rollout and loss settings).
+    Run from the repository root: the presets' prompt files are relative to it."""
+    from mmgrpo.config import load_config
+    from mmgrpo.trainer import Trainer
+
+    from .policy import FlowPolicy
+
+    trainers, adapter = {}, None
+    for preset in presets:
+        cfg = load_config(CONFIG_DIR / f"{preset}.yaml", [f"output_dir={output_dir}/{preset}",
+                                                          "train.max_steps=100000", "logging.progress=false"])
+        policy = FlowPolicy(cfg, adapter=adapter)
+        adapter = policy.adapter
+        trainers[preset] = Trainer(cfg, policy=policy)
+    return trainers
+
+
+def iteration(trainer: Any, clock: ModelClock | None = None) -> dict[str, Any]:
+    """One timed GRPO iteration of ``trainer``, the way ``Trainer.train`` runs it."""
+    model_start = clock.seconds if clock else 0.0
+    start = time.perf_counter()
+    items_idx, group_ids = trainer.sampler.next()
+    items = [trainer.train_items[i] for i in items_idx]
+    with torch.no_grad(), trainer.accelerator.autocast():
+        rollout = trainer.policy.rollout(items, group_ids, trainer.cfg.train.group_size)
+    rolled = time.perf_counter()
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    if rollout.recompute_old_logp:
+        trainer.recompute_old_logp(rollout)
+    metrics: list[dict[str, float]] = []
+    trainer.train_on_rollout(rollout, unit_adv, metrics.append)
+    trainer.iteration += 1
+    end = time.perf_counter()
+    return {"seconds": end - start, "rollout_s": rolled - start, "train_s": end - rolled,
+            "model_s": (clock.seconds if clock else 0.0) - model_start, "counters": rollout.counters,
+            "onpolicy_max_dev": metrics[0]["ratio/onpolicy_max_dev"]}
+
+
+def raw_call_seconds(policy: Any) -> tuple[float, float]:
+    """(forward, forward + backward) seconds of one raw transformer call on a micro-batch of the run's latents."""
+    s, rows = policy.cfg.sampling, policy.cfg.train.micro_batch_size
+    adapter = policy.adapter
+    x = adapter.initial_latents(rows, s.height, s.width, s.num_frames, torch.Generator().manual_seed(0))
+    embeds = adapter.encode(["a red circle"] * rows, "", 1.0)  # guidance 1: exactly one forward per call
+    sigma = torch.full((rows,), 0.5)
+
+    def forward() -> None:
+        with torch.no_grad():
+            adapter.velocity(x, sigma, embeds, 1.0, transformer=policy.model)
+
+    def forward_backward() -> None:
+        adapter.velocity(x, sigma, embeds, 1.0, transformer=policy.model).square().mean().backward()
+        policy.model.zero_grad(set_to_none=True)
+
+    return median_seconds(forward, repeats=3), median_seconds(forward_backward, repeats=3)
+
+
+def summarize(preset: str, cfg: Any, runs: list[dict[str, Any]],
+              raw: list[tuple[float, float]]) -> dict[str, Any]:
+    """The table row of a preset from its timed iterations and the raw call timings."""
+    counters = runs[-1]["counters"]
+    row = {"preset": preset, "mode": cfg.mode.name,
+           "s_per_iter": statistics.median(r["seconds"] for r in runs),
+           "rollout_s": statistics.median(r["rollout_s"] for r in runs),
+           "train_s": statistics.median(r["train_s"] for r in runs),
+           "nfe_rollout": counters["nfe/rollout"], "nfe_train_grad": counters["nfe/train_grad"],
+           "nfe_train_nograd": counters["nfe/train"] - counters["nfe/train_grad"],
+           "onpolicy_max_dev": max(r["onpolicy_max_dev"] for r in runs),
+           "loop_overhead": statistics.median(r["seconds"] / r["model_s"] for r in runs), "raw_overhead": None}
+    mb = cfg.train.micro_batch_size
+    if cfg.mode.name != "branch" and (cfg.train.prompts_per_step * cfg.train.group_size) % mb == 0:
+        forward = statistics.median(f for f, _ in raw)
+        forward_backward = statistics.median(fb for _, fb in raw)
+        no_grad_calls = (row["nfe_rollout"] + row["nfe_train_nograd"]) / mb
+        pure = no_grad_calls * forward + row["nfe_train_grad"] / mb * forward_backward
+        row["raw_overhead"] = row["s_per_iter"] / pure
+    return row
+
+
+def timing(rounds: int = ROUNDS) -> dict[str, dict[str, Any]]:
+    """Rows of every preset from interleaved iterations in this process (see the module notes)."""
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="mmgrpo-bench-flow-") as tmp:
+        os.chdir(ROOT)
+        try:
+            trainers = build_trainers(tmp)
+        finally:
+            os.chdir(cwd)
+        first = trainers[PRESETS[0]].policy
+        clock = ModelClock(first.adapter.transformer)
+        for trainer in trainers.values():
+            clock.time_backward(trainer.accelerator)
+        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PRESETS}
+        raw = []
+        for round_index in range(rounds + 1):
+            for preset, trainer in trainers.items():
+                result = iteration(trainer, clock)
+                if round_index:
+                    runs[preset].append(result)
+            if round_index:
+                raw.append(raw_call_seconds(first))
+    return {p: summarize(p, trainers[p].cfg, runs[p], raw) for p in PRESETS}
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far, MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def memory(preset: str) -> dict[str, float]:
+    """Peak RSS of ``preset`` run alone in a fresh process, and its growth over the size after loading."""
+    with tempfile.TemporaryDirectory(prefix=f"mmgrpo-bench-{preset}-") as tmp:
+        cmd = [sys.executable, "-m", "mmgrpo.pipelines.flow.bench", preset, "--threads",
+               str(torch.get_num_threads()), "--out", f"{tmp}/memory.json"]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"memory run of {preset} failed:\n{done.stderr[-3000:]}")
+        return json.loads(Path(f"{tmp}/memory.json").read_text())
+
+
+def flow_modes() -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Every tiny preset; each row gets its time ratio to tiny_flowgrpo. Figures: see the module notes."""
+    start = time.perf_counter()
+    rows = timing()
+    for preset, row in rows.items():
+        row.update(memory(preset))
+        row["vs_flowgrpo"] = row["s_per_iter"] / rows["tiny_flowgrpo"]["s_per_iter"]
+    figures = {name: rows[a]["s_per_iter"] / rows[b]["s_per_iter"] for name, (a, b) in FIGURES.items()}
+    figures["loop_overhead"] = rows["tiny_flowgrpo"]["loop_overhead"]
+    figures["bench_minutes"] = (time.perf_counter() - start) / 60
+    return list(rows.values()), figures
+
+
+BENCHES.register("flow-modes", flow_modes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Worker of :func:`memory`: run one preset alone and write its memory figures as JSON."""
+    parser = argparse.ArgumentParser(description="peak memory of one tiny flow preset (a flow-modes worker)")
+    parser.add_argument("preset", choices=PRESETS)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = build_trainers(tmp, (args.preset,))[args.preset]
+        loaded = peak_rss_mib()
+        for _ in range(MEMORY_ITERATIONS):
+            iteration(trainer)
+    peak = peak_rss_mib()
+    Path(args.out).write_text(json.dumps({"peak_rss_mib": peak, "rss_growth_mib": peak - loaded}))
+
+
+if __name__ == "__main__":
+    main()

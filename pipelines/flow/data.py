@@ -1,0 +1,83 @@
+"""Prompt data of the flow pipeline: ``.txt`` (one prompt a line), ``.jsonl`` (``prompt`` + metadata) or
+``task:NAME``.
+
+An item is a dict with ``prompt``; every other key of a jsonl object (or of a task item) is metadata that
+reaches the rewards as ``RewardBatch.meta`` (e.g. ``target_rgb`` for ``color_fraction``). Problems are
+reported as :class:`mmgrpo.config.ConfigError` naming the config key and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mmgrpo.config import ConfigError
+
+
+def read_prompt_file(path: str, key: str) -> list[dict]:
+    """Items of a ``.txt`` or ``.jsonl`` prompt file; ``key`` is the config key that named it (for errors)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"bad value for '{key}': prompt file not found: {file}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"bad value for '{key}': {file} is not UTF-8 text ({err.reason} at byte "
+                          f"{err.start})") from err
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), start=1)]
+    comments = file.suffix != ".jsonl"
+    lines = [(n, line) for n, line in lines if line and not (comments and line.startswith("#"))]
+    if file.suffix == ".jsonl":
+        items = [_jsonl_item(line, n, file, key) for n, line in lines]
+    else:
+        items = [{"prompt": line} for _, line in lines]
+    if not items:
+        raise ConfigError(f"bad value for '{key}': {file} holds no prompts")
+    return items
+
+
+def _jsonl_item(line: str, number: int, file: Path, key: str) -> dict:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"bad value for '{key}': {file}:{number} is not valid JSON ({err.msg})") from err
+    if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+        raise ConfigError(f"bad value for '{key}': {file}:{number} must be an object with a non-empty "
+                          "'prompt'")
+    return item
+
+
+def task_items(name: str, split: str, key: str) -> list[dict]:
+    """Items of a registered synthetic task (``mmgrpo.registry.TASKS``); split 'train' or the held-out one."""
+    from mmgrpo.registry import TASKS, RegistryError
+
+    try:
+        task = TASKS.get(name)
+    except RegistryError as err:
+        raise ConfigError(f"bad value for '{key}': unknown task '{name}' ({err})") from err
+    splits = list(getattr(task, "splits", ("train", "heldout")))
+    items = task.items(split if split in splits else splits[-1])
+    if not items:
+        raise ConfigError(f"bad value for '{key}': task '{name}' has no {split} items")
+    return items
+
+
+def load_items(source: str, key: str, split: str) -> list[dict]:
+    """Items from a prompt file or ``task:NAME`` (``split`` picks the task split)."""
+    if source.startswith("task:"):
+        return task_items(source[len("task:"):], split, key)
+    return read_prompt_file(source, key)
+
+
+def prompt_datasets(train_source: str, eval_source: str | None,
+                    num_eval: int) -> tuple[list[dict], list[dict]]:
+    """(train items, held-out items). Held-out: ``eval_source``, else the task's held-out split, else the
+    first training prompts; at most ``num_eval`` of them."""
+    train = load_items(train_source, "data.train_prompts", "train")
+    if eval_source is not None:
+        held_out = load_items(eval_source, "data.eval_prompts", "heldout")
+    elif train_source.startswith("task:"):
+        held_out = load_items(train_source, "data.train_prompts", "heldout")
+    else:
+        held_out = train
+    return train, held_out[:num_eval]

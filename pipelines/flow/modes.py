@@ -1,0 +1,352 @@
+"""Rollout modes: which denoising steps of a rollout are stochastic (SDE) and which are trained.
+
+Each recipe is a small class registered in ``mmgrpo.registry.ROLLOUT_MODES`` and chosen by ``mode.name``. A
+mode checks its ``mode.*`` settings once (a bad value is a :class:`~mmgrpo.config.ConfigError` naming the key)
+and then turns the training iteration into a plan; the policy executes plans and never asks which recipe made
+them:
+
+- :class:`LinearPlan` for chains of N = groups x G independent samples (flow_grpo, dance_grpo, fast, mixgrpo,
+  mixgrpo_flash, tempflow): per-sample SDE flags and per-sample trained steps.
+- :class:`TreePlan` for BranchGRPO trees: the tree shape, the SDE steps and the trained steps.
+
+The step math lives in :mod:`.schedules` and :mod:`.tree`; this module only wires config values into it. The
+SDE kernel (``sampling.sde``) and the timestep weighting (``mode.timestep_weighting``) apply to every mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmgrpo.config import ConfigError
+from mmgrpo.registry import ROLLOUT_MODES
+
+from . import kernels, schedules, tree
+
+SDE_KINDS = ("flow_grpo", "dance", "cps")
+"""Values of ``sampling.sde``."""
+
+
+def sde_kernel(sampling: Any, sigma_max_substitute: float) -> Callable[..., kernels.StepOutput]:
+    """The stochastic step of ``sampling.sde`` with its noise setting bound: ``fn(x, v, sigma, sigma_prev, *,
+    noise=None, prev_sample=None) -> StepOutput``. ``sigma_max_substitute`` is the schedule's second sigma
+    (the Flow-GRPO SDE needs it at sigma == 1)."""
+    if sampling.sde == "flow_grpo":
+        return partial(kernels.flow_grpo_sde_step, noise_level=sampling.noise_level,
+                       sigma_max_substitute=sigma_max_substitute)
+    if sampling.sde == "dance":
+        return partial(kernels.dance_grpo_sde_step, eta=sampling.eta)
+    if sampling.sde == "cps":
+        return partial(kernels.cps_step, eta=sampling.eta)
+    raise ConfigError(f"bad value '{sampling.sde}' for 'sampling.sde': expected one of "
+                      f"{', '.join(SDE_KINDS)}")
+
+
+def checked(keys: str | dict[str, str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, with a ValueError from the schedule math reported as a ConfigError naming the
+    config key. ``keys`` is that key, or maps the parameter an error message starts with (``"size="``) to its
+    key (the first key is the fallback)."""
+    try:
+        return fn(*args, **kwargs)
+    except ValueError as err:
+        if isinstance(keys, str):
+            key = keys
+        else:
+            named = [k for p, k in keys.items() if str(err).startswith(f"{p}=")]
+            key = named[0] if named else next(iter(keys.values()))
+        raise ConfigError(f"bad value for '{key}': {err}") from err
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """A rollout of N independent samples over T steps (N = groups x G, group-major).
+
+    - ``sde``: (N, T) bool; step i of sample n is stochastic.
+    - ``train_steps``: (N, U) int64, sorted per row; the trained (SDE) steps of each sample, U the same for
+      all.
+    - ``solver_after`` / ``ode_sigmas_after``: how the ODE steps after the last SDE step run (as in
+      :class:`~.schedules.StepPlan`; the same for every sample).
+    - ``shared_noise``: the G samples of a group start from one initial latent (TempFlow-GRPO).
+    """
+
+    sde: Tensor
+    train_steps: Tensor
+    solver_after: str = "euler"
+    ode_sigmas_after: tuple[int, ...] | None = None
+    shared_noise: bool = False
+
+    @classmethod
+    def shared(cls, plan: schedules.StepPlan, num_samples: int) -> LinearPlan:
+        """The same :class:`~.schedules.StepPlan` for every sample."""
+        sde = torch.tensor(plan.sde, dtype=torch.bool).expand(num_samples, -1).clone()
+        steps = torch.tensor(plan.train, dtype=torch.int64).expand(num_samples, -1).clone()
+        return cls(sde, steps, plan.solver_after, plan.ode_sigmas_after)
+
+    @property
+    def num_steps(self) -> int:
+        return self.sde.shape[1]
+
+    @property
+    def main_steps(self) -> int:
+        """Steps run one by one on the original sigmas: all T, or up to the last SDE step when a DPM solver
+        takes over after it."""
+        if self.solver_after == "euler":
+            return self.num_steps
+        return int(self.sde.any(dim=0).nonzero().max()) + 1
+
+    def unit_of(self) -> Tensor:
+        """(N, T) int64: the unit (column of ``train_steps``) of each sample's step, -1 when it is not
+        trained."""
+        units = torch.full(self.sde.shape, -1, dtype=torch.int64)
+        cols = torch.arange(self.train_steps.shape[1]).expand_as(self.train_steps)
+        return units.scatter_(1, self.train_steps, cols)
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """A BranchGRPO rollout: one tree per prompt, the leaves are the samples.
+
+    - ``branch``: the tree shape (``split_points``, ``branch_factor``).
+    - ``sde``: length T, which steps are stochastic (all for 'pure', a window plus the splits for 'mix').
+    - ``train_steps``: sorted trained steps: SDE steps kept by depth pruning, owned by depth >= 1 (the root's
+      advantage is always 0, so its transitions carry no policy gradient).
+    - ``width_keep``: fraction of the leaves whose leaf-depth transitions are trained (width pruning).
+    - ``backup``: internal-node reward, ``mean`` or ``prob``.
+    """
+
+    branch: tree.BranchPlan
+    sde: tuple[bool, ...]
+    train_steps: tuple[int, ...]
+    width_keep: float = 1.0
+    backup: str = "mean"
+
+    def unit_depths(self) -> list[int]:
+        """The owner depth of each unit (trained step)."""
+        return [self.branch.depth_at(s) for s in self.train_steps]
+
+    def ancestor(self, depth: int) -> Tensor:
+        """(L,) int64: for each leaf of a tree, the index of its ancestor among the nodes at ``depth``."""
+        p = self.branch
+        return torch.arange(p.num_leaves) // p.branch_factor ** (p.depth - depth)
+
+    def owners(self) -> Tensor:
+        """(L, U) bool: leaf j owns unit u when it is the first leaf below the unit's node (one owner per
+        node)."""
+        p = self.branch
+        leaves = torch.arange(p.num_leaves)[:, None]
+        spans = torch.tensor([p.branch_factor ** (p.depth - d) for d in self.unit_depths()],
+                             dtype=torch.int64)
+        return (leaves % spans) == 0 if len(spans) else torch.zeros(p.num_leaves, 0, dtype=torch.bool)
+
+    def leaves_kept(self) -> int:
+        """Leaves per tree whose leaf-depth transitions survive width pruning (see
+        :func:`.tree.width_prune`)."""
+        n = self.branch.num_leaves
+        return n if self.width_keep >= 1 else min(n, max(2, math.floor(self.width_keep * n + 1e-9)))
+
+
+class RolloutMode:
+    """Base of the modes. ``cfg`` is the whole :class:`~.config.FlowConfig`; constructors validate it."""
+
+    tree = False
+    """True for modes that return a :class:`TreePlan`."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self.mode = cfg.mode
+        self.num_steps = cfg.sampling.num_steps
+        if self.num_steps < 1:
+            raise ConfigError(f"bad value for 'sampling.num_steps': must be >= 1, got {self.num_steps}")
+        self.trainable_steps = self.num_steps - 1 if cfg.sampling.sde == "cps" else self.num_steps
+        """A CPS step into sigma = 0 is deterministic (std 0, no log-prob), so the last step is never
+        trained."""
+        if self.trainable_steps < 1:
+            raise ConfigError("bad value for 'sampling.num_steps': cps needs at least 2 steps")
+
+    def plan(self, iteration: int, num_groups: int, group_size: int, generator: torch.Generator) -> Any:
+        """The plan of the rollout at training ``iteration`` (>= 0) for ``num_groups`` x ``group_size``
+        samples."""
+        raise NotImplementedError
+
+    def _trainable(self, plan: schedules.StepPlan, num_samples: int) -> LinearPlan:
+        """A shared plan without an untrainable last CPS step; an error when nothing is left to train."""
+        kept = tuple(s for s in plan.train if s < self.trainable_steps)
+        if not kept:
+            raise ConfigError(f"bad value for 'mode.name': {self.mode.name} trains no step with a log-prob "
+                              f"(the only trained step is the deterministic last cps step)")
+        return LinearPlan.shared(schedules.StepPlan(plan.sde, kept, plan.solver_after, plan.ode_sigmas_after),
+                                 num_samples)
+
+
+@ROLLOUT_MODES.register("flow_grpo")
+class FlowGRPOMode(RolloutMode):
+    """Flow-GRPO: SDE on every step, the first ``mode.train_fraction`` of the steps trained."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        self.step_plan = checked("mode.train_fraction", schedules.flow_grpo_plan, self.num_steps,
+                                 self.mode.train_fraction)
+
+    def plan(self, iteration: int, num_groups: int, group_size: int,
+             generator: torch.Generator) -> LinearPlan:
+        return self._trainable(self.step_plan, num_groups * group_size)
+
+
+@ROLLOUT_MODES.register("dance_grpo")
+class DanceGRPOMode(RolloutMode):
+    """DanceGRPO: SDE on every step; each sample trains its own random ``mode.train_fraction`` of the
+    steps."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        checked("mode.train_fraction", schedules.dance_grpo_steps, self.trainable_steps,
+                self.mode.train_fraction, 1)
+
+    def plan(self, iteration: int, num_groups: int, group_size: int,
+             generator: torch.Generator) -> LinearPlan:
+        n = num_groups * group_size
+        steps = schedules.dance_grpo_steps(self.trainable_steps, self.mode.train_fraction, n, generator)
+        return LinearPlan(torch.ones(n, self.num_steps, dtype=torch.bool), steps)
+
+
+@ROLLOUT_MODES.register("fast")
+class FastMode(RolloutMode):
+    """Flow-GRPO-Fast: a window of ``mode.window_size`` SDE (and trained) steps placed at random inside the
+    first ``mode.fast_within`` of the schedule, ODE elsewhere."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        keys = {"window": "mode.window_size", "within": "mode.fast_within"}
+        checked(keys, schedules.fast_plan, self.num_steps, self.mode.window_size, self.mode.fast_within,
+                iteration=0, seed=max(cfg.seed, 0))
+
+    def plan(self, iteration: int, num_groups: int, group_size: int,
+             generator: torch.Generator) -> LinearPlan:
+        step_plan = schedules.fast_plan(self.num_steps, self.mode.window_size, self.mode.fast_within,
+                                        iteration=iteration, seed=max(self.cfg.seed, 0))
+        return self._trainable(step_plan, num_groups * group_size)
+
+
+@ROLLOUT_MODES.register("mixgrpo")
+class MixGRPOMode(RolloutMode):
+    """MixGRPO: SDE and training only inside a sliding window (``mode.window_*``, ``mode.shift_interval``),
+    ODE elsewhere. The window position is a function of the iteration (the policy's rollout count)."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        m = self.mode
+        keys = {"size": "mode.window_size", "shift_interval": "mode.shift_interval",
+                "stride": "mode.window_stride", "strategy": "mode.window_strategy",
+                "num_steps": "sampling.num_steps"}
+        self.window = checked(keys, schedules.SlidingWindow, self.num_steps, m.window_size, m.shift_interval,
+                              m.window_stride, m.window_strategy, seed=max(cfg.seed, 0))
+
+    def step_plan(self, iteration: int) -> schedules.StepPlan:
+        return self.window.plan(iteration)
+
+    def plan(self, iteration: int, num_groups: int, group_size: int,
+             generator: torch.Generator) -> LinearPlan:
+        return self._trainable(self.step_plan(iteration), num_groups * group_size)
+
+
+@ROLLOUT_MODES.register("mixgrpo_flash")
+class MixGRPOFlashMode(MixGRPOMode):
+    """MixGRPO-Flash: the MixGRPO window, then DPM-Solver++(2M) for the ODE steps after it, on
+    ``mode.flash_compression`` of them (None keeps all)."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        checked("mode.flash_compression", schedules.flash_plan, self.window, 0, self.mode.flash_compression)
+
+    def step_plan(self, iteration: int) -> schedules.StepPlan:
+        return schedules.flash_plan(self.window, iteration, self.mode.flash_compression)
+
+
+@ROLLOUT_MODES.register("tempflow")
+class TempFlowMode(RolloutMode):
+    """TempFlow-GRPO: ODE everywhere except one SDE branching step k per group; only k is trained. A group
+    shares its initial latent and k, so its members differ only by the noise drawn at k and their reward
+    differences are credited to that step."""
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        candidates = self.mode.tempflow_candidates
+        if candidates is None:
+            candidates = list(range(max(1, self.num_steps - 1)))
+        if any(c >= self.trainable_steps for c in candidates):
+            raise ConfigError(f"bad value for 'mode.tempflow_candidates': {list(candidates)} must be "
+                              f"trainable steps in [0, {self.trainable_steps})")
+        self.candidates = [int(c) for c in candidates]
+        checked("mode.tempflow_candidates", schedules.tempflow_branch_steps, self.num_steps, 1,
+                self.candidates)
+
+    def plan(self, iteration: int, num_groups: int, group_size: int,
+             generator: torch.Generator) -> LinearPlan:
+        k = schedules.tempflow_branch_steps(self.num_steps, num_groups, self.candidates, generator)
+        steps = k.repeat_interleave(group_size)[:, None]
+        sde = torch.zeros(len(steps), self.num_steps, dtype=torch.bool).scatter_(1, steps, True)
+        return LinearPlan(sde, steps, shared_noise=True)
+
+
+@ROLLOUT_MODES.register("branch")
+class BranchMode(RolloutMode):
+    """BranchGRPO: a tree per prompt (``mode.split_points``, ``mode.branch_factor``) whose leaves are the
+    group; shared prefixes are sampled once, rewards are backed up to internal nodes, advantages normalised
+    per depth; width pruning (``mode.width_keep``) and sliding depth pruning (``mode.depth_prune_*``)."""
+
+    tree = True
+
+    def __init__(self, cfg: Any):
+        super().__init__(cfg)
+        m = self.mode
+        self.branch = checked({"split_points": "mode.split_points", "branch_factor": "mode.branch_factor",
+                               "num_steps": "sampling.num_steps"},
+                              tree.BranchPlan, self.num_steps, tuple(m.split_points), m.branch_factor)
+        window = (0, min(m.window_size, self.num_steps)) if m.branch_variant == "mix" else None
+        if m.branch_variant == "mix" and m.window_size < 1:
+            raise ConfigError(f"bad value for 'mode.window_size': must be >= 1, got {m.window_size}")
+        self.sde = checked("mode.branch_variant", tree.branch_sde_steps, self.branch, m.branch_variant,
+                           window)
+        if m.reward_backup not in tree.BACKUP_MODES:
+            raise ConfigError(f"bad value '{m.reward_backup}' for 'mode.reward_backup': expected one of "
+                              f"{', '.join(tree.BACKUP_MODES)}")
+        checked("mode.width_keep", tree.width_prune, torch.zeros(1, 2), m.width_keep)
+        checked({"window": "mode.depth_prune_window", "interval": "mode.depth_prune_interval"},
+                tree.depth_prune, self.branch, 0, m.depth_prune_window, m.depth_prune_interval)
+        if cfg.train.group_size != self.branch.num_leaves:
+            raise ConfigError(f"bad value for 'train.group_size': branch mode samples branch_factor ** "
+                              f"len(split_points) = {self.branch.num_leaves} leaves per prompt, got "
+                              f"{cfg.train.group_size}")
+        if cfg.sampling.sde == "cps" and self.branch.split_points[-1] == self.num_steps - 1:
+            raise ConfigError("bad value for 'mode.split_points': with cps the last step is deterministic "
+                              "and cannot split")
+
+    def plan(self, iteration: int, num_groups: int, group_size: int, generator: torch.Generator) -> TreePlan:
+        m = self.mode
+        kept = tree.depth_prune(self.branch, iteration, m.depth_prune_window, m.depth_prune_interval)
+        steps = tuple(s for s in range(self.trainable_steps)
+                      if self.sde[s] and s in kept and self.branch.depth_at(s) >= 1)
+        return TreePlan(self.branch, self.sde, steps, m.width_keep, m.reward_backup)
+
+
+def build_mode(cfg: Any) -> RolloutMode:
+    """The rollout mode of ``cfg.mode.name``; unknown names and bad settings are ConfigErrors."""
+    from mmgrpo.registry import RegistryError
+
+    try:
+        mode_class = ROLLOUT_MODES.get(cfg.mode.name)
+    except RegistryError as err:
+        raise ConfigError(f"bad value for 'mode.name': {err}") from err
+    if cfg.sampling.sde not in SDE_KINDS:
+        raise ConfigError(f"bad value '{cfg.sampling.sde}' for 'sampling.sde': expected one of "
+                          f"{', '.join(SDE_KINDS)}")
+    if cfg.mode.timestep_weighting not in schedules.WEIGHT_KINDS:
+        raise ConfigError(f"bad value '{cfg.mode.timestep_weighting}' for 'mode.timestep_weighting': "
+                          f"expected one of {', '.join(schedules.WEIGHT_KINDS)}")
+    return mode_class(cfg)

@@ -1,0 +1,445 @@
+"""FlowPolicy: GRPO for flow-matching image and video generators (``pipeline: flow``).
+
+One rollout: the rollout mode (:mod:`.modes`) plans which steps are SDE and trained -> prompts are encoded
+once (cached by the adapter) -> the latents are denoised with CFG -> the final latents are decoded for the
+rewards. For every trained step the rollout keeps the step's input latent, its stored next latent, the two
+sigmas and the log-prob; :meth:`FlowPolicy.log_probs` replays exactly that step under grad.
+
+On-policy exactness (ratio == 1 on the first update) holds by construction for chains of samples: every step's
+transformer forwards run over consecutive-row chunks of ``train.micro_batch_size`` (the trainer's first-epoch
+micro-batches, one unit per backward), with the same prompt embeddings, guidance scale, sigmas and kernel;
+latents are stored in ``sampling.latent_dtype`` and the trajectory continues from the stored value, so the
+training replay sees bit-for-bit the rollout's inputs. A row's output depends only on its own content, its
+position and the batch size (measured on the tiny SD3: another row's content changes it by exactly 0), so
+per-sample trained steps (dance_grpo, tempflow) are exact too. Tree nodes (branch) are forwarded depth by
+depth, a layout training cannot share, so branch rollouts ask the trainer to recompute the old log-probs in
+training chunking.
+
+NFE convention: one NFE is one sample (one latent row) through the transformer once; a CFG step costs 2.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import PartialState
+from torch import Tensor
+
+from mmgrpo.config import ConfigError
+from mmgrpo.grpo import clip_advantages, gaussian_mean_kl
+from mmgrpo.policy import LogProbs, Policy, Rollout
+from mmgrpo.registry import MODEL_ADAPTERS, RegistryError
+from mmgrpo.rewards import RewardBatch
+
+from . import kernels, media, schedules, tree
+from .config import FlowConfig
+from .data import prompt_datasets
+from .modes import LinearPlan, TreePlan, build_mode, sde_kernel
+
+STATE_FILE = "flow_policy_state.json"
+"""Written next to the weights by :meth:`FlowPolicy.save`: the rollout count (the iteration of window
+schedules)."""
+
+
+def batch_view(values: Tensor, like: Tensor) -> Tensor:
+    """(B,) -> (B, 1, ..., 1) broadcasting against ``like`` (B, ...)."""
+    return values.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+class FlowPolicy(Policy):
+    """The flow pipeline's :class:`~mmgrpo.policy.Policy`; ``model`` is the adapter's (LoRA-wrapped)
+    transformer."""
+
+    def __init__(self, cfg: FlowConfig, adapter: Any = None):
+        """``adapter``: an already loaded adapter of ``cfg.model`` to use (e.g. shared by tests); None loads
+        one."""
+        self.cfg = cfg
+        self.mode = build_mode(cfg)
+        state = PartialState()
+        self.device, self.rank = state.device, state.process_index
+        self.adapter = adapter if adapter is not None else self._load_adapter(cfg)
+        self.model = self.adapter.transformer
+        s = cfg.sampling
+        self.latent_dtype = getattr(torch, s.latent_dtype)
+        self.sigmas = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
+        self.kernel = sde_kernel(s, float(self.sigmas[1]))
+        self.rollouts = 0
+        """Rollouts done so far: the training iteration that window schedules (mixgrpo, fast, pruning)
+        follow."""
+
+    def _load_adapter(self, cfg: FlowConfig) -> Any:
+        try:
+            adapter_class = MODEL_ADAPTERS.get(cfg.model.type)
+        except RegistryError as err:
+            raise ConfigError(f"bad value for 'model.type': {err}") from err
+        keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
+        adapter = adapter_class(cfg.model, self.device, keep_reference=keep_reference)
+        if cfg.model.max_sequence_length is not None:
+            adapter.max_sequence_length = cfg.model.max_sequence_length  # read by its encode_prompt call
+        return adapter
+
+    # ------------------------------------------------------------------------------------------ data, io
+    def datasets(self) -> tuple[list[dict], list[dict]]:
+        d = self.cfg.data
+        return prompt_datasets(d.train_prompts, d.eval_prompts, d.num_eval)
+
+    def save(self, directory: Path) -> None:
+        """Trainable weights in their user-facing format (a PEFT LoRA folder that ``pipe.load_lora_weights``
+        reads, or a full ``transformer`` folder) plus the rollout count."""
+        if not self.is_main_process:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        self.adapter.save_trainable(directory, transformer=self.unwrapped_model())
+        (directory / STATE_FILE).write_text(json.dumps({"rollouts": self.rollouts}))
+
+    def load(self, directory: Path) -> None:
+        self.adapter.load_trainable(directory)
+        state = directory / STATE_FILE
+        if state.is_file():
+            self.rollouts = int(json.loads(state.read_text())["rollouts"])
+
+    def save_samples(self, batch: RewardBatch, directory: Path, tag: str) -> list[Path]:
+        """``tag.png``, a grid captioned with the prompts; for videos also ``tag.mp4`` (or ``tag.gif``)."""
+        s = self.cfg.sampling
+        return media.save_media(directory, tag, batch.prompts, batch.images, batch.videos, s.fps)
+
+    # ------------------------------------------------------------------------------------- building blocks
+    def _chunks(self, n: int) -> list[Tensor]:
+        """Consecutive row chunks of ``train.micro_batch_size``: the trainer's first-epoch micro-batches."""
+        return list(torch.arange(n).split(self.cfg.train.micro_batch_size))
+
+    def _velocity(self, x: Tensor, sigma: Tensor, embeds: Any) -> Tensor:
+        """(n, ...) fp32 velocity of the trained transformer (``self.model``: the DDP-wrapped one), CFG
+        inside."""
+        scale = self.cfg.sampling.guidance_scale
+        return self.adapter.velocity(x, sigma, embeds, scale, transformer=self.model)
+
+    def _stored(self, x: Tensor) -> Tensor:
+        """``x`` round-tripped through the storage dtype: the value training will replay."""
+        return x.to(self.latent_dtype).float()
+
+    def _initial(self, n: int, generator: torch.Generator, repeat: int = 1) -> Tensor:
+        s = self.cfg.sampling
+        x = self.adapter.initial_latents(n, s.height, s.width, s.num_frames, generator)
+        return self._stored(x.to(self.device)).repeat_interleave(repeat, dim=0)
+
+    def _noise(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        return torch.randn(x.shape, generator=generator, dtype=torch.float32).to(x.device)
+
+    def _transition(self, x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, sde: Tensor,
+                    noise: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """One step of n rows: SDE rows (``sde`` (n,) bool) draw with ``noise``, the others take the Euler
+        step.
+
+        Returns the stored next latents and, per row, the log-prob of that stored value and the transition std
+        (0 for ODE rows). The log-prob is computed the way :meth:`log_probs` recomputes it."""
+        nxt = kernels.ode_euler_step(x, v, sigma, sigma_next)
+        if not bool(sde.any()):
+            zeros = torch.zeros(len(x), device=x.device)
+            return self._stored(nxt), zeros, zeros
+        drawn = self.kernel(x, v, sigma, sigma_next, noise=noise).prev_sample
+        nxt = self._stored(torch.where(batch_view(sde, x), drawn, nxt))
+        out = self.kernel(x, v, sigma, sigma_next, prev_sample=nxt)
+        return nxt, torch.where(sde, out.log_prob, 0.0), torch.where(sde, out.std, 0.0)
+
+    def _decode(self, latents: Tensor) -> Tensor:
+        return torch.cat([self.adapter.decode(latents[c]).float().cpu() for c in self._chunks(len(latents))])
+
+    def _reward_batch(self, items: list[dict], repeat: int, group: Tensor, media_out: Tensor) -> RewardBatch:
+        rows = [it for it in items for _ in range(repeat)]
+        key = "videos" if self.adapter.modality == "video" else "images"
+        return RewardBatch(prompts=[it["prompt"] for it in rows], group=group,
+                           meta=[{k: v for k, v in it.items() if k != "prompt"} for it in rows],
+                           **{key: media_out})
+
+    def _cfg_factor(self, embeds: Any) -> int:
+        """Transformer forwards per velocity: 2 with classifier-free guidance (a separate uncond forward),
+        else 1."""
+        return 1 if embeds.uncond is None else 2
+
+    def _seed(self, *parts: int) -> int:
+        """A 32-bit seed from ``seed`` and ``parts``."""
+        return zlib.crc32(json.dumps([self.cfg.seed, *parts]).encode())
+
+    # ------------------------------------------------------------------------------------------ rollout
+    @torch.no_grad()
+    def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:
+        generator = torch.Generator().manual_seed(self._seed(self.rank, self.rollouts))
+        plan = self.mode.plan(self.rollouts, len(items), group_size, generator)
+        self.rollouts += 1
+        s = self.cfg.sampling
+        embeds = self.adapter.encode([it["prompt"] for it in items], s.negative_prompt, s.guidance_scale)
+        group = torch.tensor(group_ids, dtype=torch.int64).repeat_interleave(group_size)
+        sample = self._sample_tree if isinstance(plan, TreePlan) else self._sample_chain
+        latents, data, nfe = sample(plan, embeds, group_size, generator)
+        batch = self._reward_batch(items, group_size, group, self._decode(latents))
+        mask = data.pop("mask")
+        old_logp = data.pop("logp")
+        weight = self._unit_weights(data.pop("std"), mask)
+        rollout = Rollout(group=group, old_logp=old_logp, mask=mask, reward_batch=batch, data=data,
+                          unit_weight=weight, recompute_old_logp=isinstance(plan, TreePlan))
+        rollout.counters = self._counters(rollout, plan, nfe, self._cfg_factor(embeds))
+        return rollout
+
+    def _sample_chain(self, plan: LinearPlan, embeds: Any, group_size: int,
+                      generator: torch.Generator) -> tuple[Tensor, dict[str, Any], int]:
+        """Run N independent samples; returns (final latents, stored units, NFE). Every forward and every
+        trained step's kernel runs on the training micro-batch chunks."""
+        n, u = plan.train_steps.shape
+        if plan.shared_noise:
+            x = self._initial(n // group_size, generator, repeat=group_size)
+        else:
+            x = self._initial(n, generator)
+        row_embeds = embeds.select(torch.arange(len(embeds)).repeat_interleave(group_size))
+        unit_of = plan.unit_of()
+        store = self._unit_store(n, u, x)
+        nfe = 0
+        for i in range(plan.main_steps):
+            sde = plan.sde[:, i].to(self.device)
+            noise = self._noise(x, generator) if bool(sde.any()) else None
+            sigma = self.sigmas[i].expand(n).to(self.device)
+            sigma_next = self.sigmas[i + 1].expand(n).to(self.device)
+            nxt = torch.empty_like(x)
+            for c in self._chunks(n):
+                v = self._velocity(x[c], sigma[c], row_embeds.select(c))
+                nfe += len(c)
+                nxt[c], logp, std = self._transition(x[c], v, sigma[c], sigma_next[c], sde[c],
+                                                     None if noise is None else noise[c])
+                rows = c[unit_of[c, i] >= 0]
+                if len(rows):
+                    k, cols = rows - c[0], unit_of[rows, i]
+                    store["x"][rows, cols] = x[c][k].to(self.latent_dtype)
+                    store["x_next"][rows, cols] = nxt[c][k].to(self.latent_dtype)
+                    store["sigma"][rows, cols] = sigma[rows]
+                    store["sigma_next"][rows, cols] = sigma_next[rows]
+                    store["logp"][rows, cols] = logp[k]
+                    store["std"][rows, cols] = std[k]
+            x = nxt
+        if plan.solver_after == "dpm2":
+            x, extra = self._dpm_after(x, plan, row_embeds)
+            nfe += extra
+        store.update(embeds=row_embeds, mask=torch.ones(n, u, dtype=torch.bool, device=self.device))
+        return x, store, nfe
+
+    def _unit_store(self, n: int, u: int, x: Tensor) -> dict[str, Tensor]:
+        """Empty per-unit storage for n rows x u units of latents shaped like ``x`` (., ...)."""
+        latents = {"dtype": self.latent_dtype, "device": self.device}
+        floats = {"dtype": torch.float32, "device": self.device}
+        shape = (n, u, *x.shape[1:])
+        return {"x": torch.zeros(shape, **latents), "x_next": torch.zeros(shape, **latents),
+                "sigma": torch.zeros(n, u, **floats), "sigma_next": torch.zeros(n, u, **floats),
+                "logp": torch.zeros(n, u, **floats), "std": torch.zeros(n, u, **floats)}
+
+    def _dpm_after(self, x: Tensor, plan: LinearPlan, embeds: Any) -> tuple[Tensor, int]:
+        """MixGRPO-Flash: DPM-Solver++(2M) from the end of the SDE window to sigma = 0 on the plan's sigma
+        indices."""
+        start = plan.main_steps
+        idx = plan.ode_sigmas_after or tuple(range(start, plan.num_steps + 1))
+        prev_x0 = prev_sigma = None
+        nfe = 0
+        for a, b in pairwise(idx):
+            sigma = self.sigmas[a].expand(len(x)).to(self.device)
+            v = self._chunked_velocity(x, sigma, embeds)
+            nfe += len(x)
+            x, prev_x0 = kernels.dpm_solver_2m_step(x, v, sigma, float(self.sigmas[b]), prev_x0=prev_x0,
+                                                     prev_sigma=prev_sigma)
+            prev_sigma = sigma
+        return x, nfe
+
+    def _chunked_velocity(self, x: Tensor, sigma: Tensor, embeds: Any) -> Tensor:
+        return torch.cat([self._velocity(x[c], sigma[c], embeds.select(c)) for c in self._chunks(len(x))])
+
+    def _sample_tree(self, plan: TreePlan, embeds: Any, group_size: int,
+                     generator: torch.Generator) -> tuple[Tensor, dict[str, Any], int]:
+        """BranchGRPO: all nodes of a depth go through one batched forward per step (chunked by the
+        micro-batch size), children of a split reuse their parent's velocity and draw their own noise. Returns
+        the leaves' final latents, the units in leaf-row layout (a node's transition is owned by its first
+        leaf) and the NFE."""
+        b = plan.branch
+        p = len(embeds)
+        x = self._initial(p, generator)
+        depth_embeds = [embeds.select(torch.arange(p).repeat_interleave(m)) for m in b.nodes_per_depth()]
+        splits, trained = set(b.split_points), set(plan.train_steps)
+        records: dict[int, tuple[Tensor, ...]] = {}
+        split_logp = []
+        depth = nfe = 0
+        for i in range(b.num_steps):
+            sigma = self.sigmas[i].expand(len(x)).to(self.device)
+            v = self._chunked_velocity(x, sigma, depth_embeds[depth])
+            nfe += len(x)
+            if i in splits:
+                parents = torch.arange(len(x) * b.branch_factor, device=self.device) // b.branch_factor
+                x, v, depth = x[parents], v[parents], depth + 1
+            n = len(x)
+            sde = torch.full((n,), plan.sde[i], dtype=torch.bool, device=self.device)
+            noise = self._noise(x, generator) if plan.sde[i] else None
+            nxt, logp, std = self._transition(x, v, self.sigmas[i].expand(n).to(self.device),
+                                              self.sigmas[i + 1].expand(n).to(self.device), sde, noise)
+            if i in trained:
+                records[i] = (x, nxt, logp, std)
+            if i in splits:
+                split_logp.append(logp.view(p, -1))
+            x = nxt
+        data = self._leaf_layout(plan, records, depth_embeds[-1])
+        data.update(tree_plan=plan, split_logp=split_logp)
+        return x, data, nfe
+
+    def _leaf_layout(self, plan: TreePlan, records: dict[int, tuple[Tensor, ...]], leaf_embeds: Any) -> dict:
+        """Per-node step records -> (N, U) leaf-row units: row (prompt p, leaf j) at unit u holds the
+        transition of its ancestor at the unit's depth; only that node's first leaf has it in ``mask``."""
+        b = plan.branch
+        p = len(leaf_embeds) // b.num_leaves
+        cols = {"x": [], "x_next": [], "logp": [], "std": [], "sigma": [], "sigma_next": []}
+        for step, depth in zip(plan.train_steps, plan.unit_depths()):
+            x, nxt, logp, std = records[step]
+            node = (torch.arange(p)[:, None] * b.branch_factor**depth + plan.ancestor(depth)).flatten()
+            node = node.to(self.device)
+            cols["x"].append(x[node].to(self.latent_dtype))
+            cols["x_next"].append(nxt[node].to(self.latent_dtype))
+            cols["logp"].append(logp[node])
+            cols["std"].append(std[node])
+            cols["sigma"].append(self.sigmas[step].expand(len(node)).to(self.device))
+            cols["sigma_next"].append(self.sigmas[step + 1].expand(len(node)).to(self.device))
+        n = p * b.num_leaves
+        empty = torch.zeros(n, 0, device=self.device)
+        data = {k: torch.stack(v, dim=1) if v else empty for k, v in cols.items()}
+        data["mask"] = plan.owners().repeat(p, 1).to(self.device)
+        data["embeds"] = leaf_embeds
+        return data
+
+    def _unit_weights(self, std: Tensor, mask: Tensor) -> Tensor:
+        """(N, U) loss weights of ``mode.timestep_weighting`` over the trained units (noise_aware:
+        proportional to the transition std, mean 1 over all trained units of the rollout)."""
+        weight = torch.ones_like(std)
+        if mask.any():
+            weight[mask] = schedules.timestep_weights(self.cfg.mode.timestep_weighting, std[mask])
+        return weight
+
+    def _counters(self, rollout: Rollout, plan: LinearPlan | TreePlan, nfe: int,
+                  cfg_factor: int) -> dict[str, float]:
+        """NFE of sampling and of the training the trainer will run on this rollout, and the step counts."""
+        n = len(rollout)
+        if isinstance(plan, TreePlan):
+            p, depths = n // plan.branch.num_leaves, plan.unit_depths()
+            trained = sum(p * (plan.leaves_kept() if d == plan.branch.depth else plan.branch.branch_factor**d)
+                          for d in depths)
+            sde_steps = sum(plan.sde)
+        else:
+            trained = int(rollout.mask.sum())
+            sde_steps = plan.sde.sum(dim=1).float().mean().item()
+        epochs, kl = self.cfg.train.num_inner_epochs, int(self.cfg.grpo.kl_beta > 0)
+        recompute = trained * cfg_factor if rollout.recompute_old_logp else 0
+        return {
+            "nfe/rollout": float(nfe * cfg_factor),
+            "nfe/train": float(trained * cfg_factor * (1 + kl) * epochs + recompute),
+            "nfe/train_grad": float(trained * epochs),
+            "nfe/recompute": float(recompute),
+            "steps/sde": float(sde_steps),
+            "steps/trained": trained / n,
+        }
+
+    # ------------------------------------------------------------------------------------------ training
+    def unit_chunks(self, rollout: Rollout) -> list[Tensor | None]:
+        """How trained steps are split into backward passes, each at most one micro-batch of transitions (the
+        activation memory of one ``train.micro_batch_size`` forward).
+
+        Chains: one step per pass (every row owns every step). Trees: consecutive steps are packed while the
+        transitions a first-epoch micro-batch owns at them fit one micro-batch (a tree's node owns few
+        rows)."""
+        num_units = rollout.old_logp.shape[1]
+        if "tree_plan" not in rollout.data:
+            return [torch.tensor([u]) for u in range(num_units)]
+        mb = self.cfg.train.micro_batch_size
+        mask = rollout.mask.cpu()
+        owned = torch.stack([mask[c].sum(dim=0) for c in self._chunks(len(rollout))])
+        chunks: list[list[int]] = [[]]
+        load = 0
+        for u, n in enumerate(owned.max(dim=0).values.tolist()):
+            if chunks[-1] and load + n > mb:
+                chunks.append([])
+                load = 0
+            chunks[-1].append(u)
+            load += n
+        return [torch.tensor(c) for c in chunks]
+
+    def log_probs(self, rollout: Rollout, rows: Tensor, units: Tensor | None, with_kl: bool) -> LogProbs:
+        """Replay the stored steps of ``rows`` at ``units`` under grad: velocity of ``self.model`` on the
+        stored input latents, then the rollout's kernel scoring the stored next latents.
+
+        All (row, step) pairs in ``rollout.mask`` go through ONE forward, in row-major order (one step of
+        consecutive rows: the rollout's layout). Pairs outside the mask (tree nodes owned by another leaf,
+        pruned transitions) are not computed and return 0; when none is in the mask, the first pair is
+        computed anyway (its value is masked out of the loss) so that the backward has a graph and DDP sees a
+        forward."""
+        units = torch.arange(rollout.old_logp.shape[1]) if units is None else units
+        rows, units = rows.to(self.device), units.to(self.device)
+        active = rollout.mask[rows][:, units]
+        if not bool(active.any()):
+            active = torch.zeros_like(active)
+            active[0, 0] = True
+        r, u = active.nonzero(as_tuple=True)
+        logp, kl = self._log_prob(rollout.data, rows[r], units[u], with_kl)
+        out = torch.zeros(active.shape, device=self.device)
+        kl = None if kl is None else out.index_put((r, u), kl)
+        return LogProbs(logp=out.index_put((r, u), logp), kl=kl)
+
+    def _log_prob(self, data: dict[str, Any], rows: Tensor, units: Tensor,
+                  with_kl: bool) -> tuple[Tensor, Tensor | None]:
+        """(log-prob, KL to the reference or None) of the stored transitions (rows[i], units[i]), each (m,)
+        fp32."""
+        x, nxt = data["x"][rows, units].float(), data["x_next"][rows, units].float()
+        sigma, sigma_next = data["sigma"][rows, units], data["sigma_next"][rows, units]
+        embeds = data["embeds"].select(rows.cpu())
+        out = self.kernel(x, self._velocity(x, sigma, embeds), sigma, sigma_next, prev_sample=nxt)
+        if not with_kl:
+            return out.log_prob, None
+        with torch.no_grad():
+            v_ref = self.adapter.reference_velocity(x, sigma, embeds, self.cfg.sampling.guidance_scale,
+                                                    transformer=self.model)
+            ref = self.kernel(x, v_ref, sigma, sigma_next, prev_sample=nxt)
+        return out.log_prob, gaussian_mean_kl(out.mean, ref.mean, batch_view(out.std, out.mean))
+
+    def unit_advantages(self, rollout: Rollout, advantages: Tensor, rewards: Tensor) -> Tensor:
+        """Chains: every unit gets its sample's advantage. Trees: each unit gets the depth-wise advantage of
+        the node that owns it, from leaf rewards backed up the tree; width pruning then clears
+        ``rollout.mask`` on the leaf-depth transitions of the leaves it drops."""
+        plan = rollout.data.get("tree_plan")
+        if plan is None:
+            return super().unit_advantages(rollout, advantages, rewards)
+        b, g = plan.branch, self.cfg.grpo
+        leaf = rewards.double().view(-1, b.num_leaves)
+        fill = leaf.nanmean(dim=1, keepdim=True).nan_to_num(0.0).expand_as(leaf)
+        leaf = torch.where(leaf.isnan(), fill, leaf)
+        child = [lp.double().cpu() for lp in rollout.data["split_logp"]] if plan.backup == "prob" else None
+        levels = tree.backup_rewards(leaf, b, plan.backup, child)
+        node_adv = [clip_advantages(a, g.adv_clip) for a in tree.depthwise_advantages(levels, g.adv_eps)]
+        out = torch.zeros_like(rollout.old_logp)
+        for u, depth in enumerate(plan.unit_depths()):
+            out[:, u] = node_adv[depth][:, plan.ancestor(depth)].flatten().to(out)
+        if plan.width_keep < 1:
+            keep = tree.width_prune(node_adv[b.depth], plan.width_keep).flatten().to(rollout.mask.device)
+            leaf_units = torch.tensor([d == b.depth for d in plan.unit_depths()], device=rollout.mask.device)
+            rollout.mask &= ~leaf_units | keep[:, None]
+        return out
+
+    # ------------------------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def generate(self, items: list[dict]) -> RewardBatch:
+        """One deterministic Euler-ODE sample per item with ``sampling.eval_num_steps`` steps; item i starts
+        from noise seeded by ``seed`` and its prompt (or its ``seed`` key), so it does not depend on the
+        batch."""
+        s = self.cfg.sampling
+        sigmas = self.adapter.sigmas(s.eval_num_steps, s.height, s.width, s.num_frames).float()
+        embeds = self.adapter.encode([it["prompt"] for it in items], s.negative_prompt, s.guidance_scale)
+        seeds = [int(it.get("seed", self._seed(-1, zlib.crc32(it["prompt"].encode())))) for it in items]
+        x = torch.cat([self._initial(1, torch.Generator().manual_seed(seed)) for seed in seeds])
+        for i in range(s.eval_num_steps):
+            sigma = sigmas[i].expand(len(x)).to(self.device)
+            v = self._chunked_velocity(x, sigma, embeds)
+            x = kernels.ode_euler_step(x, v, sigma, float(sigmas[i + 1]))
+        return self._reward_batch(items, 1, torch.arange(len(items)), self._decode(x))

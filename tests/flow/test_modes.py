@@ -1,0 +1,208 @@
+"""Rollout modes: the plans each recipe produces, their config errors, and the BranchGRPO tree rollout."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmgrpo.config import ConfigError, load_config
+from mmgrpo.pipelines.flow.config import FlowConfig
+from mmgrpo.pipelines.flow.modes import LinearPlan, TreePlan, build_mode
+
+BASE = Path(__file__).resolve().parents[2] / "configs" / "flow" / "tiny_base.yaml"
+
+
+def config(*overrides):
+    return load_config(BASE, ["output_dir=/tmp/unused", *overrides])
+
+
+def plan(overrides, iteration=0, groups=2, group_size=4, seed=0):
+    cfg = config(*overrides, f"train.group_size={group_size}")
+    return build_mode(cfg).plan(iteration, groups, group_size, torch.Generator().manual_seed(seed))
+
+
+def test_flow_grpo_plan_is_sde_everywhere_and_trains_the_first_fraction():
+    p = plan(["mode.name=flow_grpo", "mode.train_fraction=0.9"])
+    assert isinstance(p, LinearPlan) and p.sde.shape == (8, 10) and bool(p.sde.all())
+    assert (p.train_steps == torch.arange(9)).all() and p.main_steps == 10
+
+
+def test_dance_grpo_trains_a_random_subset_per_sample():
+    p = plan(["mode.name=dance_grpo", "mode.train_fraction=0.6"], groups=4)
+    assert bool(p.sde.all()) and p.train_steps.shape == (16, 6)
+    assert all(len(set(row.tolist())) == 6 for row in p.train_steps)
+    assert len({tuple(row.tolist()) for row in p.train_steps}) > 1  # per sample, not per batch
+    unit_of = p.unit_of()
+    assert (unit_of >= 0).sum(dim=1).tolist() == [6] * 16
+    assert unit_of[0, p.train_steps[0, 3]] == 3
+
+
+def test_cps_never_trains_the_deterministic_last_step():
+    p = plan(["mode.name=dance_grpo", "mode.train_fraction=1.0", "sampling.sde=cps"])
+    assert p.train_steps.shape[1] == 9 and int(p.train_steps.max()) == 8
+
+
+def test_fast_window_lies_in_the_first_half():
+    for it in range(10):
+        p = plan(["mode.name=fast", "mode.window_size=2", "mode.fast_within=0.5"], iteration=it)
+        window = p.train_steps[0].tolist()
+        assert len(window) == 2 and window[1] == window[0] + 1 and window[1] < 5
+        assert p.sde[0].nonzero().flatten().tolist() == window
+
+
+def test_mixgrpo_window_slides_with_the_iteration():
+    overrides = ["mode.name=mixgrpo", "mode.window_size=2", "mode.shift_interval=3", "mode.window_stride=1"]
+    starts = [int(plan(overrides, iteration=it).train_steps[0, 0]) for it in range(0, 12, 3)]
+    assert starts == [0, 1, 2, 3]
+    p = plan(overrides, iteration=3)
+    assert p.sde[0].tolist() == [False, True, True] + [False] * 7 and p.solver_after == "euler"
+
+
+def test_mixgrpo_flash_runs_dpm_on_compressed_steps_after_the_window():
+    p = plan(["mode.name=mixgrpo_flash", "mode.window_size=2", "mode.flash_compression=0.4"])
+    assert p.solver_after == "dpm2" and p.main_steps == 2
+    assert p.ode_sigmas_after == (2, 5, 7, 10)  # 3 of the 8 remaining steps
+
+
+def test_tempflow_has_one_sde_step_shared_by_a_group():
+    p = plan(["mode.name=tempflow"], groups=6)
+    assert p.shared_noise and p.train_steps.shape == (24, 1)
+    assert p.sde.sum(dim=1).tolist() == [1] * 24
+    k = p.train_steps[:, 0].view(6, 4)
+    assert bool((k == k[:, :1]).all()) and int(k.max()) < 9  # the last step is not a candidate
+    assert (p.sde.float().argmax(dim=1) == p.train_steps[:, 0]).all()
+
+
+def test_branch_plan_trains_owned_nodes_with_depth_pruning():
+    p = plan(["mode.name=branch", "mode.split_points=[2,4,6]", "mode.depth_prune_window=3",
+              "mode.width_keep=0.5"], group_size=8)
+    assert isinstance(p, TreePlan)
+    assert p.train_steps == (2, 3, 4, 5, 6)  # root steps 0-1 carry no advantage; 7-9 depth-pruned
+    assert p.unit_depths() == [1, 1, 2, 2, 3]
+    owners = p.owners()
+    assert owners.sum(dim=0).tolist() == [2, 2, 4, 4, 8]  # one owner leaf per node
+    assert owners[:, 0].nonzero().flatten().tolist() == [0, 4]
+    assert p.ancestor(1).tolist() == [0, 0, 0, 0, 1, 1, 1, 1] and p.leaves_kept() == 4
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["mode.name=nope"], "mode.name"),
+    (["sampling.sde=ito"], "sampling.sde"),
+    (["mode.name=mixgrpo", "mode.window_size=11"], "mode.window_size"),
+    (["mode.name=mixgrpo", "mode.window_strategy=zigzag"], "mode.window_strategy"),
+    (["mode.name=fast", "mode.window_size=6"], "mode.window_size"),
+    (["mode.name=flow_grpo", "mode.train_fraction=0"], "mode.train_fraction"),
+    (["mode.name=branch", "mode.split_points=[2,10]", "train.group_size=4"], "mode.split_points"),
+    (["mode.name=branch", "mode.split_points=[3,1]", "train.group_size=4"], "mode.split_points"),
+    (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=8"], "train.group_size"),
+    (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4", "mode.width_keep=0"],
+     "mode.width_keep"),
+    (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4", "mode.depth_prune_window=9"],
+     "mode.depth_prune_window"),
+    (["mode.name=tempflow", "mode.tempflow_candidates=[12]"], "mode.tempflow_candidates"),
+    (["mode.timestep_weighting=loud"], "mode.timestep_weighting"),
+    (["model.path=/no/such/model"], "model.path"),
+    (["sampling.latent_dtype=int8"], "sampling.latent_dtype"),
+])
+def test_bad_mode_settings_name_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=f"'{key}'"):
+        config(*overrides)
+
+
+def test_every_mode_is_registered():
+    from mmgrpo.registry import ROLLOUT_MODES
+
+    assert set(ROLLOUT_MODES.names()) >= {"flow_grpo", "dance_grpo", "fast", "mixgrpo", "mixgrpo_flash",
+                                          "branch", "tempflow"}
+    assert FlowConfig().mode.name in ROLLOUT_MODES
+
+
+# ---------------------------------------------------------------- the tree rollout on the tiny model
+
+
+@pytest.fixture(scope="module")
+def branch_policy():
+    from mmgrpo.pipelines.flow.policy import FlowPolicy
+
+    cfg = config("mode.name=branch", "mode.split_points=[1,2]", "mode.branch_factor=2", "train.group_size=4",
+                 "train.micro_batch_size=8", "sampling.num_steps=4", "mode.width_keep=1.0",
+                 "mode.depth_prune_window=0")
+    return FlowPolicy(cfg)
+
+
+@pytest.fixture(scope="module")
+def branch_rollout(branch_policy):
+    """A tree rollout of 2 prompts x 4 leaves, and the number of rows of every velocity call it made."""
+    calls = []
+    velocity = branch_policy.adapter.velocity
+
+    def counted(latents, *args, **kwargs):
+        calls.append(len(latents))
+        return velocity(latents, *args, **kwargs)
+
+    branch_policy.adapter.velocity = counted
+    try:
+        items = [{"prompt": "a red circle", "target_rgb": [255, 0, 0]},
+                 {"prompt": "a blue cube", "target_rgb": [0, 0, 255]}]
+        return branch_policy.rollout(items, [0, 1], 4), calls
+    finally:
+        del branch_policy.adapter.velocity
+
+
+def test_tree_rollout_shares_prefixes_with_one_batched_forward_per_step(branch_rollout):
+    rollout, calls = branch_rollout
+    # splits at steps 1 and 2: 1, 1, 2, 4 input nodes per prompt at steps 0..3, one call per step for both
+    # prompts
+    assert calls == [2, 2, 4, 8]
+    assert rollout.counters["nfe/rollout"] == 2 * 16  # a CFG pair counts 2; 8 chains would take 2 * 8 * 4
+    assert len(rollout) == 8 and rollout.reward_batch.images.shape == (8, 3, 32, 32)
+    # units are steps 1..3 (the root's step 0 carries no advantage); one owner leaf per node
+    assert rollout.mask.sum(dim=0).tolist() == [4, 8, 8] and rollout.recompute_old_logp
+
+
+def test_branch_log_prob_uses_the_std_it_sampled_with(branch_policy, branch_rollout):
+    rollout, _ = branch_rollout
+    data, mask = rollout.data, rollout.mask
+    rows = torch.arange(len(rollout))
+    with torch.no_grad():
+        fresh = branch_policy.log_probs(rollout, rows, None, with_kl=False).logp
+    assert (fresh - rollout.old_logp).abs()[mask].max() < 1e-5
+    # the drawn noise, standardised with the kernel's std, is standard normal (BranchGRPO's public code
+    # samples children with 4x noise but scores them with the unscaled std)
+    z = []
+    for u in range(mask.shape[1]):
+        own = rows[mask[:, u]]
+        x, nxt = data["x"][own, u].float(), data["x_next"][own, u].float()
+        sigma, sigma_next = data["sigma"][own, u], data["sigma_next"][own, u]
+        with torch.no_grad():
+            v = branch_policy._velocity(x, sigma, data["embeds"].select(own))
+        out = branch_policy.kernel(x, v, sigma, sigma_next, prev_sample=nxt)
+        z.append(((nxt - out.mean) / out.std.view(-1, 1, 1, 1)).flatten())
+    z = torch.cat(z)
+    assert abs(z.std().item() - 1) < 0.05 and abs(z.mean().item()) < 0.05
+
+
+def test_branch_unit_advantages_are_depthwise_and_width_pruned(branch_policy, branch_rollout):
+    rollout, _ = branch_rollout
+    rollout = dataclasses.replace(rollout, mask=rollout.mask.clone(), data=dict(rollout.data))
+    rollout.data["tree_plan"] = dataclasses.replace(rollout.data["tree_plan"], width_keep=0.5)
+    rewards = torch.tensor([1.0, 3.0, 5.0, 9.0, 0.0, 0.0, 2.0, 2.0])
+    adv = branch_policy.unit_advantages(rollout, torch.zeros(8), rewards)
+    # unit 0 is depth 1: prompt 0's nodes have mean rewards 2 | 7, z-scores -1 | +1, owned by leaves 0 | 2
+    assert adv[0, 0] == pytest.approx(-1, abs=1e-4) and adv[2, 0] == pytest.approx(1, abs=1e-4)
+    assert adv[1, 0] == adv[0, 0]  # a leaf carries its ancestor's advantage even where it does not own it
+    torch.testing.assert_close(adv[4:, 0], torch.tensor([-1.0, -1, 1, 1]), atol=1e-3, rtol=0)  # 0 | 2
+    # leaf depth (units 1, 2): only the best and the worst leaf of each prompt stay trained
+    assert rollout.mask[:4, 1].tolist() == [True, False, False, True]
+    assert rollout.mask[:4, 0].tolist() == [True, False, True, False]
+    # training packs steps into backward passes of at most one micro-batch (8) of owned transitions: 4 + 4 | 4
+    chunks = branch_policy.unit_chunks(rollout)
+    assert [c.tolist() for c in chunks] == [[0, 1], [2]]
+    rows = torch.arange(8)
+    with torch.no_grad():
+        packed = branch_policy.log_probs(rollout, rows, chunks[0], with_kl=False).logp
+        single = [branch_policy.log_probs(rollout, rows, torch.tensor([u]), with_kl=False).logp
+                  for u in (0, 1)]
+    mask = rollout.mask[:, :2]
+    assert (packed - torch.cat(single, dim=1)).abs()[mask].max() < 1e-5 and packed[~mask].abs().max() == 0

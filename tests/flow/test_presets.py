@@ -1,0 +1,54 @@
+"""Acceptance: every tiny flow preset trains through the CLI, on-policy exact, with the logged counters; bad
+keys exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mmgrpo.pipelines.flow.tiny import tiny_path
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = ["tiny_flowgrpo", "tiny_dancegrpo", "tiny_mixgrpo", "tiny_mixgrpo_flash", "tiny_branchgrpo",
+           "tiny_tempflow"]
+KEYS = ["ratio/onpolicy_max_dev", "nfe/rollout", "nfe/train", "time/rollout_s", "time/reward_s",
+        "time/train_s", "time/step_s", "reward/mean", "loss", "kl"]
+PARALLEL = 2
+
+
+def mmgrpo(*args):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return subprocess.Popen([sys.executable, "-m", "mmgrpo", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_all_tiny_presets_train_two_steps_exactly_on_policy(tmp_path):
+    tiny_path("sd3")  # build the shared tiny model once, before the runs start
+    runs = {}
+    for i in range(0, len(PRESETS), PARALLEL):
+        batch = {p: mmgrpo("train", f"configs/flow/{p}.yaml", "train.max_steps=2",
+                           f"output_dir={tmp_path / p}") for p in PRESETS[i:i + PARALLEL]}
+        runs.update({p: (proc, *proc.communicate()) for p, proc in batch.items()})
+    for preset, (proc, _, err) in runs.items():
+        assert proc.returncode == 0, f"{preset} failed:\n{err[-3000:]}"
+        rows = [json.loads(line) for line in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2], preset
+        assert all(k in rows[0] for k in KEYS), (preset, sorted(set(KEYS) - set(rows[0])))
+        assert rows[0]["ratio/onpolicy_max_dev"] <= 1e-6, (preset, rows[0]["ratio/onpolicy_max_dev"])
+        assert rows[0]["nfe/rollout"] > 0 and rows[0]["nfe/train"] > 0
+        assert (tmp_path / preset / "checkpoints" / "step-2" / "policy").is_dir()
+        assert (tmp_path / preset / "samples" / "step-2.png").is_file()  # eval at the last step
+    branch = json.loads((tmp_path / "tiny_branchgrpo" / "metrics.jsonl").read_text().splitlines()[0])
+    assert branch["logp/rollout_vs_recompute_max_dev"] <= 1e-5
+
+
+def test_bad_keys_and_values_exit_2_naming_the_key():
+    for args, key in [(["no.such.key=1"], "no.such.key"), (["mode.window_size=11"], "mode.window_size"),
+                      (["mode.split_points=[2,4,12]"], "mode.split_points")]:
+        preset = "tiny_branchgrpo" if key == "mode.split_points" else "tiny_mixgrpo"
+        proc = mmgrpo("train", f"configs/flow/{preset}.yaml", *args)
+        _, err = proc.communicate()
+        assert proc.returncode == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and f"'{key}'" in lines[0], err
