@@ -1,1 +1,3 @@
 """Synthetic tasks generated deterministically by code, each with a held-out split (registry ``TASKS``)."""
+
+from . import shapes_qa  # noqa: F401  (registers shapes_qa, motion_qa)

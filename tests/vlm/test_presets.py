@@ -45,6 +45,6 @@ def test_every_preset_loads_and_checks(preset):
     assert cfg.pipeline == "vlm"
     check_config(cfg)
     assert (tgrpo.bonus_spec(cfg) is not None) == cfg.tgrpo.enabled
-    if not preset.stem.startswith("tiny"):
+    if not preset.stem.startswith(("tiny", "demo")):  # CPU presets; GPU recipes must cite their sources
         text = preset.read_text()
         assert "Hardware:" in text and "Sources" in text  # recipes say what they assume and where numbers come from

@@ -1,0 +1,176 @@
+"""ShapesQA and MotionQA: Video-R1-format questions about coloured shapes on images and short clips.
+
+Both tasks draw with the seeded generators of :mod:`mmgrpo.pipelines.vlm.synthetic` (64x64, black background).
+
+- ``shapes_qa`` (images): ``colour`` "What colour is the triangle?" (A-D), ``shape`` "What shape is the red
+  object?" (A-C), ``count`` "How many shapes are in the image?" (numerical, 1-4).
+- ``motion_qa`` (8-frame clips, 4 fps): ``direction`` "Which direction does the red circle move?" (A-D), ``order``
+  "Which shape appears first?" (A-D: the two shapes of the clip and two absent ones), ``count`` "How many shapes
+  appear in the video?" (numerical, 1-4; the shapes appear one after the other, every 2 frames).
+
+Every item carries ``solution`` (``<answer>X</answer>``) and ``think``, the short reasoning of the SFT target
+``<think>{think}</think><answer>X</answer>``.
+
+Splits: item ``i`` of a kind is built from seed ``2*i`` in ``train`` and ``2*i + 1`` in ``heldout``. The held-out
+split is unseen seeds (fresh layouts, motions, timings and option orders) over the same colours and shapes; it is
+not compositional. :func:`write_split` materialises a split to ``{split}.jsonl`` plus PNG / MP4 files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from mmgrpo.pipelines.vlm.synthetic import (
+    COLOURS,
+    DIRECTIONS,
+    SHAPES,
+    draw_scene,
+    make_motion_clip,
+    random_scene,
+    write_mp4,
+)
+from mmgrpo.registry import TASKS
+
+SPLITS = ("train", "heldout")
+SIZE = 64
+FRAMES = 8
+FPS = 4
+MAX_COUNT = 4
+
+
+def _letters(choices: list[str], correct: str, rng: np.random.Generator) -> tuple[list[str], str]:
+    """Options ``["A. ...", ...]`` in a random order and the correct letter."""
+    order = [choices[i] for i in rng.permutation(len(choices))]
+    return [f"{chr(65 + k)}. {c}" for k, c in enumerate(order)], chr(65 + order.index(correct))
+
+
+def _item(kind: str, problem: str, options: list[str], answer: str, think: str, scene: dict) -> dict:
+    return {"kind": kind, "problem": problem, "problem_type": "multiple choice" if options else "numerical",
+            "options": options, "solution": f"<answer>{answer}</answer>", "think": think, "scene": scene}
+
+
+def _image_item(kind: str, seed: int) -> dict:
+    rng = np.random.default_rng([seed, 7])
+    if kind == "count":
+        n = int(rng.integers(1, MAX_COUNT + 1))
+        objects = random_scene(n, SIZE, seed=seed)
+        return _item(kind, "How many shapes are in the image?", [], str(n), f"{n} shapes", {"objects": objects})
+    objects = random_scene(int(rng.integers(1, 4)), SIZE, seed=seed, distinct=True)
+    target = objects[int(rng.integers(len(objects)))]
+    if kind == "colour":
+        options, letter = _letters(list(COLOURS), target["colour"], rng)
+        return _item(kind, f"What colour is the {target['shape']}?", options, letter,
+                     f"{target['colour']} {target['shape']}", {"objects": objects})
+    options, letter = _letters(list(SHAPES), target["shape"], rng)
+    return _item(kind, f"What shape is the {target['colour']} object?", options, letter,
+                 f"{target['colour']} {target['shape']}", {"objects": objects})
+
+
+def _video_item(kind: str, seed: int) -> dict:
+    rng = np.random.default_rng([seed, 11])
+    if kind == "direction":
+        direction = str(rng.choice(list(DIRECTIONS)))
+        colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
+        options, letter = _letters(list(DIRECTIONS), direction, rng)
+        return _item(kind, f"Which direction does the {colour} {shape} move?", options, letter,
+                     f"it moves {direction}", {"direction": direction, "colour": colour, "shape": shape, "seed": seed})
+    if kind == "order":
+        objects = random_scene(2, SIZE, seed=seed, distinct=True)
+        names = [f"{o['colour']} {o['shape']}" for o in objects]
+        absent = [f"{c} {s}" for c in COLOURS for s in SHAPES if f"{c} {s}" not in names]
+        decoys = [absent[i] for i in rng.choice(len(absent), 2, replace=False)]
+        options, letter = _letters(names + decoys, names[0], rng)
+        starts = [int(rng.choice([0, 2])), 4]
+        return _item(kind, "Which shape appears first?", options, letter, f"{names[0]} first",
+                     {"objects": objects, "starts": starts})
+    n = int(rng.integers(1, MAX_COUNT + 1))
+    objects = random_scene(n, SIZE, seed=seed)
+    return _item(kind, "How many shapes appear in the video?", [], str(n), f"{n} shapes",
+                 {"objects": objects, "starts": [2 * k for k in range(n)]})
+
+
+class _QATask:
+    """A registered QA task: ``items(split, n)`` specs and ``render(item)`` pixels."""
+
+    name = ""
+    kinds: tuple[str, ...] = ()
+    data_type = ""
+    splits = SPLITS
+
+    def item(self, kind: str, index: int, split: str) -> dict:
+        """Item ``index`` of ``kind`` in ``split`` (seed ``2*index``, +1 in heldout)."""
+        if split not in SPLITS:
+            raise ValueError(f"{self.name} has splits {SPLITS}; got {split!r}")
+        if kind not in self.kinds:
+            raise ValueError(f"{self.name} has kinds {self.kinds}; got {kind!r}")
+        seed = 2 * index + (split == "heldout")
+        spec = _image_item(kind, seed) if self.data_type == "image" else _video_item(kind, seed)
+        return {"id": f"{self.name}-{kind}-{split}-{index:04d}", "task": self.name, "data_type": self.data_type,
+                **spec}
+
+    def items(self, split: str, n: int = 64) -> list[dict]:
+        """``n`` items per kind, kinds interleaved (colour, shape, count, colour, ...)."""
+        return [self.item(kind, i, split) for i in range(n) for kind in self.kinds]
+
+
+class ShapesQA(_QATask):
+    """Image questions: colour of a shape, which shape, how many shapes."""
+
+    name = "shapes_qa"
+    kinds = ("colour", "shape", "count")
+    data_type = "image"
+
+    def render(self, item: dict) -> np.ndarray:
+        """(64, 64, 3) uint8 image."""
+        return draw_scene(item["scene"]["objects"], SIZE)
+
+
+class MotionQA(_QATask):
+    """Clip questions: direction of motion, order of appearance, count over time."""
+
+    name = "motion_qa"
+    kinds = ("direction", "order", "count")
+    data_type = "video"
+
+    def render(self, item: dict) -> np.ndarray:
+        """(8, 64, 64, 3) uint8 clip."""
+        scene = item["scene"]
+        if item["kind"] == "direction":
+            return make_motion_clip(scene["direction"], scene["colour"], scene["shape"], FRAMES, SIZE,
+                                    seed=scene["seed"])
+        return np.stack([draw_scene([o for o, t0 in zip(scene["objects"], scene["starts"]) if t >= t0], SIZE)
+                         for t in range(FRAMES)])
+
+
+SHAPES_QA = TASKS.register("shapes_qa", ShapesQA())
+MOTION_QA = TASKS.register("motion_qa", MotionQA())
+
+
+def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str, ...] = ("shapes_qa", "motion_qa"),
+                ) -> int:
+    """Write ``n`` items per kind of each task to ``out_dir/{split}.jsonl`` (Video-R1 records with the extra fields
+    ``task``, ``kind``, ``think``, ``id``) and their media to ``out_dir/{split}/`` (PNG, H.264 MP4). Paths are
+    relative to ``out_dir``. Returns the number of records."""
+    out = Path(out_dir)
+    (out / split).mkdir(parents=True, exist_ok=True)
+    records = []
+    for name in tasks:
+        task = TASKS.get(name)
+        for item in task.items(split, n):
+            pixels = task.render(item)
+            path = f"{split}/{item['id']}.{'png' if item['data_type'] == 'image' else 'mp4'}"
+            if item["data_type"] == "image":
+                Image.fromarray(pixels).save(out / path, optimize=True)
+            else:
+                write_mp4(out / path, pixels, FPS)
+            records.append({"problem": item["problem"], "problem_type": item["problem_type"],
+                            "options": item["options"], "solution": item["solution"], "path": path,
+                            "data_type": item["data_type"], "task": item["task"], "kind": item["kind"],
+                            "think": item["think"], "id": item["id"]})
+    (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return len(records)

@@ -1,0 +1,80 @@
+"""ShapesQA / MotionQA: deterministic items, disjoint splits, Video-R1 answers, and the shipped JSONL files."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmgrpo.pipelines.vlm.data import read_samples
+from mmgrpo.registry import TASKS
+from mmgrpo.rewards import AccuracyReward, RewardBatch
+from mmgrpo.tasks import shapes_qa
+from mmgrpo.tasks.shapes_qa import write_split
+
+DATA = Path(__file__).resolve().parents[2] / "assets" / "data" / "shapes_qa"
+TASK_NAMES = ("shapes_qa", "motion_qa")
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_registered_and_deterministic(name):
+    task = TASKS.get(name)
+    assert task is {"shapes_qa": shapes_qa.SHAPES_QA, "motion_qa": shapes_qa.MOTION_QA}[name]
+    first, again = task.items("train", 4), type(task)().items("train", 4)
+    assert first == again
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(task.render(a), task.render(b))
+    with pytest.raises(ValueError, match="splits"):
+        task.items("test")
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_splits_differ_and_cover_every_kind(name):
+    task = TASKS.get(name)
+    train, held = task.items("train", 6), task.items("heldout", 6)
+    assert {it["kind"] for it in train} == {it["kind"] for it in held} == set(task.kinds)
+    assert not {it["id"] for it in train} & {it["id"] for it in held}
+    renders = {task.render(it).tobytes() for it in train}
+    assert not renders & {task.render(it).tobytes() for it in held}
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+def test_answers_are_in_the_video_r1_format(name):
+    task = TASKS.get(name)
+    for it in task.items("heldout", 8):
+        answer = it["solution"].removeprefix("<answer>").removesuffix("</answer>")
+        assert it["solution"] == f"<answer>{answer}</answer>"
+        if it["options"]:
+            assert it["problem_type"] == "multiple choice"
+            assert [o[:3] for o in it["options"]] == [f"{chr(65 + k)}. " for k in range(len(it["options"]))]
+            assert answer in [o[0] for o in it["options"]]
+            chosen = it["options"][ord(answer) - 65][3:]
+            assert chosen in it["think"]  # the reasoning names the right option
+        else:
+            assert it["problem_type"] == "numerical" and 1 <= int(answer) <= shapes_qa.MAX_COUNT
+        pixels = task.render(it)
+        assert pixels.dtype == np.uint8
+        assert pixels.shape == ((64, 64, 3) if name == "shapes_qa" else (shapes_qa.FRAMES, 64, 64, 3))
+
+
+def test_written_split_reads_back_and_scores(tmp_path):
+    assert write_split(tmp_path, "heldout", 2) == 12
+    samples = read_samples(tmp_path / "heldout.jsonl", tmp_path)
+    assert {s.extra["kind"] for s in samples} == {"colour", "shape", "count", "direction", "order"}
+    assert all((s.images or s.videos)[0].is_file() for s in samples)
+    batch = RewardBatch(prompts=[""] * len(samples), group=np.arange(len(samples)),
+                        completions=[f"<think>x</think>{s.solution}" for s in samples],
+                        meta=[{"solution": s.solution, "problem_type": s.problem_type} for s in samples])
+    assert AccuracyReward()(batch).tolist() == [1.0] * len(samples)
+
+
+def test_shipped_data_matches_the_generator_and_is_small():
+    size = sum(f.stat().st_size for f in DATA.rglob("*") if f.is_file())
+    assert size < 3e6
+    for split in ("train", "heldout"):
+        rows = [json.loads(line) for line in (DATA / f"{split}.jsonl").read_text().splitlines()]
+        per_kind = len(rows) // 6
+        expected = [it for name in TASK_NAMES for it in TASKS.get(name).items(split, per_kind)]
+        assert [r["id"] for r in rows] == [it["id"] for it in expected]
+        assert [r["solution"] for r in rows] == [it["solution"] for it in expected]
+        assert all((DATA / r["path"]).is_file() for r in rows)
