@@ -17,5 +17,6 @@ __all__ = ["GROUPWISE", "POINTWISE", "AccuracyReward", "Aesthetic", "ClipPreproc
            "as_rgb_images", "as_rgb_videos", "build_reward", "completions_or_raise", "pairwise_win_rate",
            "trl_reward"]
 from . import remote as remote
+from . import shapes_eval as shapes_eval
 from . import temporal_bonus as temporal_bonus
 from . import vlm_judge as vlm_judge

@@ -1,0 +1,252 @@
+"""``shapes_eval``: a GenEval-like, rule-based evaluator of ShapesT2I images, and the demo's honesty metrics.
+
+How an image is read (all thresholds in fractions of the image side or of [0, 1] intensities, so any resolution
+works):
+
+1. **Pixels.** A pixel belongs to palette colour c when its projection on the black-to-c line covers at least half
+   of c (``alpha >= 0.5``, the 50% contour of an antialiased or blurred edge) and it lies within ``COLOUR_TOL`` of
+   that line (the closest such colour wins). It is background when it is within ``BACKGROUND_TOL`` of the background.
+2. **Objects.** 8-connected components of each colour. Components smaller than ``SPECK_AREA`` are specks (stray
+   pixels); every other component is an object: its size is the longer side of its bounding box, its position the
+   box centre.
+3. **Shape.** The object's mask inside its box gives three features: fill ratio, fill of the two top corners and of
+   the two bottom corners (corner triangles, see :func:`shape_features`). A shape is recognised when the box aspect
+   is within ``ASPECT_RANGE`` and the features fall in its ``SHAPE_RULES`` box; otherwise it is unknown.
+
+Sub-scores, one per image:
+
+- ``count``: matched objects per colour over max(expected, detected) objects (1 = exact counts, nothing extra);
+- ``colour``: Jaccard index of the detected and the prompted colour sets;
+- ``shape``: objects of the prompted colour and shape, over max(expected, detected) objects;
+- ``size``: fraction of detected objects whose size is in the data's ``SIZE_RANGE`` (+- ``SIZE_TOL``);
+- ``position``: 1 if no object touches the border and, for a relation prompt, the relation holds on box centres
+  (signed offset along the axis > 0 and larger than the offset across it);
+- ``background``: 1 if stray pixels (neither background nor object, further than ``EDGE_BAND`` from every object)
+  are at most ``STRAY_MAX`` of the image;
+- ``score``: 1 only if all of the above are 1. This is the honest accuracy.
+
+The prompt's spec is read from ``meta`` (``objects``, ``relation``, as ``task:shapes_t2i`` items carry it), else
+parsed from the prompt.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mmgrpo.registry import REWARDS
+from mmgrpo.tasks.shapes import BACKGROUND, COLOURS, RELATIONS, SIZE_RANGE, parse_prompt
+
+from .base import POINTWISE, Reward, RewardBatch
+from .checks import as_rgb_images, images_or_raise
+
+COLOUR_TOL = 0.25
+BACKGROUND_TOL = 0.3
+SPECK_AREA = 0.0025
+"""Components below this fraction of the image area (10 px at 64x64) are specks, not objects."""
+CORNER = 0.3
+SHAPE_RULES = {
+    "circle": ((0.65, 0.92), (0.0, 0.45), (0.0, 0.45)),
+    "square": ((0.88, 1.0), (0.5, 1.0), (0.5, 1.0)),
+    "triangle": ((0.4, 0.72), (0.0, 0.2), (0.5, 1.0)),
+}
+"""shape -> allowed (fill, top-corner fill, bottom-corner fill) ranges. The corner ranges exclude each other. Rendered
+shapes measure circle (0.79, 0.03, 0.01), square (1, 1, 1), triangle (0.55, 0, 0.75); blurred (sigma 1 px) the
+extremes are circle fill 0.69-0.88 / corners <= 0.4, square fill >= 0.92 / corners >= 0.5, triangle fill
+0.50-0.67 / bottom >= 0.55."""
+ASPECT_RANGE = (0.75, 1 / 0.75)
+SIZE_TOL = 0.03
+EDGE_BAND = 1 / 32
+STRAY_MAX = 0.005
+MAX_OBJECTS = 16
+"""Components beyond the largest MAX_OBJECTS are counted but not analysed (noise images)."""
+SUB_SCORES = ("count", "colour", "shape", "size", "position", "background")
+
+
+def _pixel_labels(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, W) colour index into COLOURS (-1: none) and (B, H, W) background mask, for (B, 3, H, W) images."""
+    palette = torch.tensor(list(COLOURS.values()), dtype=images.dtype)
+    alpha = torch.einsum("bchw,kc->bkhw", images, palette) / (palette**2).sum(1).view(1, -1, 1, 1)
+    residual = (images.unsqueeze(1) - alpha.unsqueeze(2) * palette.view(1, -1, 3, 1, 1)).norm(dim=2)
+    residual = torch.where((alpha >= 0.5) & (residual <= COLOUR_TOL), residual, torch.inf)
+    best, label = residual.min(1)
+    label = torch.where(torch.isfinite(best), label, -1)
+    background = torch.tensor(BACKGROUND, dtype=images.dtype).view(1, 3, 1, 1)
+    return label, (images - background).norm(dim=1) <= BACKGROUND_TOL
+
+
+def _run_max(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each masked pixel of (N, H, W) gets the max label of its run of consecutive masked pixels along W."""
+    starts = mask & ~F.pad(mask[..., :-1], (1, 0))
+    run = torch.cumsum(starts.flatten(), 0)
+    best = torch.zeros(int(run[-1]) + 1, dtype=labels.dtype).scatter_reduce(0, run, labels.flatten(), "amax")
+    return torch.where(mask, best[run].view_as(labels), 0)
+
+
+def _components(mask: torch.Tensor) -> torch.Tensor:
+    """8-connected component ids of (N, H, W) boolean masks (0 outside), by max-label propagation along rows,
+    columns and diagonals (3x3 max) until nothing changes."""
+    n, h, w = mask.shape
+    labels = torch.where(mask, torch.arange(1, h * w + 1).view(1, h, w), 0)
+    mask_t = mask.transpose(1, 2).contiguous()
+    while True:
+        grown = _run_max(labels, mask)
+        grown = _run_max(grown.transpose(1, 2).contiguous(), mask_t).transpose(1, 2)
+        grown = torch.where(mask, F.max_pool2d(grown.unsqueeze(1).float(), 3, 1, 1).squeeze(1).long(), 0)
+        if torch.equal(grown, labels):
+            return labels
+        labels = grown
+
+
+def shape_features(crop: np.ndarray) -> np.ndarray:
+    """(fill ratio, top-corner fill, bottom-corner fill) of a boolean object mask cropped to its bounding box.
+
+    A corner region is the triangle of pixels whose centres are within ``CORNER`` (L1, in fractions of the box side)
+    of that box corner."""
+    h, w = crop.shape
+    v = (np.arange(h)[:, None] + 0.5) / h
+    u = (np.arange(w)[None, :] + 0.5) / w
+
+    def fill(region: np.ndarray) -> float:
+        return float(crop[np.broadcast_to(region, crop.shape)].mean())
+
+    top = (fill(u + v < CORNER) + fill(1 - u + v < CORNER)) / 2
+    bottom = (fill(u + 1 - v < CORNER) + fill(2 - u - v < CORNER)) / 2
+    return np.array([crop.mean(), top, bottom])
+
+
+def classify_shape(crop: np.ndarray) -> str | None:
+    """The shape name of a boolean mask cropped to its box (``SHAPE_RULES``), or None when it is none of them."""
+    h, w = crop.shape
+    if not ASPECT_RANGE[0] <= w / h <= ASPECT_RANGE[1]:
+        return None
+    features = shape_features(crop)
+    for shape, ranges in SHAPE_RULES.items():
+        if all(lo <= f <= hi for f, (lo, hi) in zip(features, ranges)):
+            return shape
+    return None
+
+
+def detect_objects(images: torch.Tensor) -> tuple[list[list[dict]], torch.Tensor]:
+    """Objects and stray-pixel fraction of (B, 3, H, W) images in [0, 1].
+
+    Returns, per image, a list of objects (``colour``, ``shape`` (None: unknown), ``size``, ``x``, ``y`` (box centre),
+    all in fractions of the image width, ``area`` in pixels, ``border``: touches the border), largest first; and a
+    (B,) tensor of stray-pixel fractions."""
+    images = as_rgb_images(images)
+    b, _, h, w = images.shape
+    label, background = _pixel_labels(images)
+    masks = torch.stack([label == k for k in range(len(COLOURS))], 1).reshape(-1, h, w)
+    comps = _components(masks).reshape(b, len(COLOURS), h, w).numpy()
+    min_area = SPECK_AREA * h * w
+    band = max(1, round(EDGE_BAND * w))
+    results, stray = [], []
+    for i in range(b):
+        found, object_pixels = [], np.zeros((h, w), dtype=bool)
+        for k, colour in enumerate(COLOURS):
+            ids, areas = np.unique(comps[i, k], return_counts=True)
+            for cid, area in zip(ids, areas):
+                if cid and area >= min_area:
+                    found.append((int(area), colour, comps[i, k] == cid))
+        found.sort(key=lambda f: -f[0])
+        objects = []
+        for rank, (area, colour, mask) in enumerate(found):
+            object_pixels |= mask
+            if rank >= MAX_OBJECTS:
+                objects.append({"colour": colour, "shape": None, "size": np.nan, "x": np.nan, "y": np.nan,
+                                "area": area, "border": False})
+                continue
+            rows, cols = np.nonzero(mask)
+            r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
+            objects.append({"colour": colour, "shape": classify_shape(mask[r0:r1, c0:c1]),
+                            "size": max(r1 - r0, c1 - c0) / w, "x": (c0 + c1) / 2 / w, "y": (r0 + r1) / 2 / w,
+                            "area": area, "border": bool(r0 == 0 or c0 == 0 or r1 == h or c1 == w)})
+        near = F.max_pool2d(torch.from_numpy(object_pixels)[None, None].float(), 2 * band + 1, 1, band)[0, 0] > 0
+        stray.append(float((~background[i] & ~near).float().mean()))
+        results.append(objects)
+    return results, torch.tensor(stray, dtype=torch.float64)
+
+
+def _spec(prompt: str, meta: dict) -> dict:
+    return meta if "objects" in meta else parse_prompt(prompt)
+
+
+def _relation_ok(objects: list[dict], spec: dict) -> bool:
+    first, second = (spec["objects"][j]["colour"] for j in (0, 1))
+    a = [o for o in objects if o["colour"] == first]
+    b = [o for o in objects if o["colour"] == second]
+    if len(a) != 1 or len(b) != 1:
+        return False
+    axis, sign = RELATIONS[spec["relation"]]
+    along = (a[0]["x"] - b[0]["x"], a[0]["y"] - b[0]["y"])
+    return sign * along[axis] > 0 and abs(along[axis]) > abs(along[1 - axis])
+
+
+def judge(objects: list[dict], stray: float, spec: dict) -> dict[str, float]:
+    """The sub-scores and ``score`` of one image's detections against a prompt spec (module notes)."""
+    expected = {o["colour"]: (o["shape"], o["count"]) for o in spec["objects"]}
+    n_exp = sum(n for _, n in expected.values())
+    denom = max(n_exp, len(objects))
+    per_colour = {c: [o for o in objects if o["colour"] == c] for c in COLOURS}
+    detected_colours = {o["colour"] for o in objects}
+    size_ok = [SIZE_RANGE[0] - SIZE_TOL <= o["size"] <= SIZE_RANGE[1] + SIZE_TOL for o in objects]
+    inside = bool(objects) and not any(o["border"] for o in objects)
+    scores = {
+        "count": sum(min(n, len(per_colour[c])) for c, (_, n) in expected.items()) / denom,
+        "colour": len(detected_colours & set(expected)) / len(detected_colours | set(expected)),
+        "shape": sum(min(n, sum(o["shape"] == s for o in per_colour[c])) for c, (s, n) in expected.items()) / denom,
+        "size": float(np.mean(size_ok)) if objects else 0.0,
+        "position": float(inside and (spec["relation"] is None or _relation_ok(objects, spec))),
+        "background": float(stray <= STRAY_MAX),
+    }
+    scores["score"] = float(all(v == 1.0 for v in scores.values()))
+    return scores
+
+
+@REWARDS.register("shapes_eval", kind=POINTWISE, modality="image",
+                  description="GenEval-like ShapesT2I check: colour, shape, count, position, size, background")
+class ShapesEval(Reward):
+    """Rule-based ShapesT2I evaluator (see the module notes). Returns ``score`` (1 only if everything holds) and the
+    sub-scores ``count``, ``colour``, ``shape``, ``size``, ``position``, ``background`` in [0, 1]."""
+
+    modality = "image"
+
+    def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
+        detections, stray = detect_objects(images_or_raise(batch, "shapes_eval"))
+        rows = [judge(objs, float(s), _spec(p, m))
+                for objs, s, p, m in zip(detections, stray, batch.prompts, batch.meta)]
+        return {k: torch.tensor([r[k] for r in rows], dtype=torch.float64) for k in ("score", *SUB_SCORES)}
+
+
+def diversity(images: torch.Tensor) -> float:
+    """Mean pairwise L2 distance between (n, 3, H, W) samples of one prompt, with pixel values in [0, 1] (so it
+    grows with sqrt(3*H*W); two different 64x64 shape scenes are about 20-40 apart)."""
+    flat = as_rgb_images(images).flatten(1).double()
+    if len(flat) < 2:
+        raise ValueError("diversity needs at least 2 samples")
+    return float(torch.pdist(flat).mean())
+
+
+def wasserstein_1d(a: np.ndarray, b: np.ndarray) -> float:
+    """The 1-Wasserstein (earth mover's) distance between two 1-D empirical distributions."""
+    a, b = np.sort(np.asarray(a, float)), np.sort(np.asarray(b, float))
+    points = np.sort(np.concatenate([a, b]))
+    cdf_a = np.searchsorted(a, points[:-1], side="right") / len(a)
+    cdf_b = np.searchsorted(b, points[:-1], side="right") / len(b)
+    return float(np.sum(np.abs(cdf_a - cdf_b) * np.diff(points)))
+
+
+def size_position_distance(images: torch.Tensor, meta: list[dict], data_stats: dict[str, np.ndarray]) -> float:
+    """Mean of the 1-D Wasserstein distances, in pixels of these images, between the sizes, box-centre x and
+    box-centre y of the detected objects of the prompted colours and those of the data (``data_stats`` of the
+    task, in fractions of the side). NaN when no such object is found."""
+    detections, _ = detect_objects(images)
+    width = images.shape[-1]
+    found = [o for objs, m in zip(detections, meta, strict=True) for o in objs
+             if o["colour"] in {x["colour"] for x in m["objects"]} and np.isfinite(o["size"])]
+    if not found:
+        return float("nan")
+    distances = [wasserstein_1d([o[k] for o in found], data_stats[k]) for k in ("size", "x", "y")]
+    return float(np.mean(distances) * width)
+

@@ -1,0 +1,155 @@
+"""shapes_eval: near-perfect on true renders, 0 on every kind of wrong or gamed image, robust to blur and noise."""
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+
+from mmgrpo.registry import REWARDS, TASKS
+from mmgrpo.rewards import RewardBatch
+from mmgrpo.rewards.shapes_eval import detect_objects, diversity, size_position_distance, wasserstein_1d
+from mmgrpo.tasks.shapes import draw, parse_prompt, sample_scene
+
+TASK = TASKS.get("shapes_t2i")
+EVAL = REWARDS.build("shapes_eval")
+
+
+def score(images, specs):
+    images = torch.as_tensor(np.asarray(images)) if not torch.is_tensor(images) else images
+    batch = RewardBatch(prompts=[s["prompt"] for s in specs], group=torch.arange(len(specs)), images=images,
+                        meta=list(specs))
+    return EVAL(batch)
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    specs = TASK.items("heldout")
+    return torch.from_numpy(np.stack([TASK.render(s, 100 + i) for i, s in enumerate(specs)])), specs
+
+
+def test_registered_pointwise_image_reward():
+    entry = REWARDS.entry("shapes_eval")
+    assert entry.info["kind"] == "pointwise" and entry.info["modality"] == "image"
+
+
+def test_true_renders_score_one(heldout):
+    images, specs = heldout
+    out = score(images, specs)
+    assert set(out) == {"score", "count", "colour", "shape", "size", "position", "background"}
+    assert out["score"].mean() >= 0.98
+    for key in out:
+        assert out[key].mean() >= 0.98, key
+
+
+@pytest.mark.parametrize("name", ["blur", "noise"])
+def test_robust_to_mild_blur_and_noise(heldout, name):
+    images, specs = heldout
+    gen = torch.Generator().manual_seed(0)
+    if name == "blur":
+        images = TF.gaussian_blur(images, 5, 0.7)
+    else:
+        images = (images + 0.03 * torch.randn(images.shape, generator=gen)).clamp(0, 1)
+    assert score(images, specs)["score"].mean() >= 0.97
+
+
+def one(prompt, seed=0, edit=None):
+    spec = parse_prompt(prompt)
+    scene = sample_scene(spec, seed)
+    if edit:
+        edit(scene)
+    return torch.from_numpy(draw(scene))[None], [spec]
+
+
+def test_the_true_image_scores_one():
+    image, spec = one("a green triangle left of a yellow circle")
+    assert score(image, spec)["score"].item() == 1
+
+
+def set_all(key, value):
+    def edit(scene):
+        for obj in scene:
+            obj[key] = value
+    return edit
+
+
+@pytest.mark.parametrize("case, sub", [
+    ("wrong colour", "colour"), ("wrong shape", "shape"), ("too few", "count"), ("too many", "count"),
+    ("swapped relation", "position"), ("huge shape", "size"), ("tiny shape", "size"), ("noise", "background"),
+    ("grey background", "background"), ("empty", "count"),
+])
+def test_wrong_images_score_zero(case, sub):
+    prompt = "a green triangle left of a yellow circle"
+    spec = [parse_prompt(prompt)]
+    image, _ = one(prompt)
+    if case == "wrong colour":
+        image, _ = one("a blue triangle left of a yellow circle")
+    elif case == "wrong shape":
+        image, _ = one("a green square left of a yellow circle")
+    elif case == "too few":
+        image, _ = one("a green triangle")
+    elif case == "too many":
+        image, _ = one("two green triangles")
+        spec = [parse_prompt("a green triangle")]
+    elif case == "swapped relation":
+        image, _ = one("a green triangle right of a yellow circle")
+    elif case == "huge shape":
+        image, _ = one("a green triangle", edit=lambda s: s[0].update(size=0.7, x=0.5, y=0.5))
+        spec = [parse_prompt("a green triangle")]
+    elif case == "tiny shape":
+        image, _ = one("a green triangle", edit=lambda s: s[0].update(size=0.12))
+        spec = [parse_prompt("a green triangle")]
+    elif case == "noise":
+        image = (image + torch.rand(image.shape, generator=torch.Generator().manual_seed(0)) * 0.6).clamp(0, 1)
+    elif case == "grey background":
+        image = torch.where(image.sum(1, keepdim=True) == 0, 0.4, image)
+    elif case == "empty":
+        image = torch.zeros_like(image)
+    out = score(image, spec)
+    assert out["score"].item() == 0
+    assert out[sub].item() < 1
+
+
+def test_spec_is_parsed_from_the_prompt_when_meta_has_none():
+    image, spec = one("three red squares", seed=2)
+    batch = RewardBatch(prompts=[spec[0]["prompt"]], group=torch.arange(1), images=image)
+    assert EVAL(batch)["score"].item() == 1
+
+
+def test_detect_objects_reports_geometry():
+    spec = parse_prompt("a blue circle above a red square")
+    scene = sample_scene(spec, 4)
+    objects, stray = detect_objects(torch.from_numpy(draw(scene))[None])
+    assert stray.item() == 0
+    found = {o["colour"]: o for o in objects[0]}
+    for obj in scene:
+        assert found[obj["colour"]]["shape"] == obj["shape"]
+        assert found[obj["colour"]]["size"] == pytest.approx(obj["size"], abs=1.5 / 64)
+        assert found[obj["colour"]]["x"] == pytest.approx(obj["x"], abs=1 / 64)
+
+
+def test_diversity():
+    image, _ = one("a red circle")
+    assert diversity(image.repeat(4, 1, 1, 1)) == 0
+    other, _ = one("a red circle", seed=9)
+    pair = torch.cat([image, other])
+    assert diversity(pair) == pytest.approx((image - other).norm().item(), rel=1e-6)
+    with pytest.raises(ValueError):
+        diversity(image)
+
+
+def test_wasserstein_1d_closed_forms():
+    assert wasserstein_1d([0.0, 1.0], [0.0, 1.0]) == 0
+    assert wasserstein_1d([0.0], [2.5]) == pytest.approx(2.5)
+    assert wasserstein_1d([0.0, 1.0], [1.0, 2.0, 1.5, 0.5]) == pytest.approx(0.75)
+
+
+def test_size_position_distance_flags_the_huge_shape_hack():
+    stats = TASK.data_stats(num_scenes=500)
+    specs = [TASK.items("train")[i] for i in range(32)]
+    true = torch.from_numpy(np.stack([TASK.render(s, 50 + i) for i, s in enumerate(specs)]))
+    honest = size_position_distance(true, specs, stats)
+    hack_spec = parse_prompt("a red square")
+    hacked = torch.from_numpy(np.stack([draw([dict(colour="red", shape="square", size=0.6, x=0.5, y=0.5)])] * 8))
+    assert honest < 2.0  # pixels
+    assert size_position_distance(hacked, [hack_spec] * 8, stats) > 5 * honest
+    assert np.isnan(size_position_distance(torch.zeros(2, 3, 64, 64), [hack_spec] * 2, stats))
