@@ -1,20 +1,29 @@
 """``mmgrpo bench flow-modes``: seconds per iteration, NFE and memory of every tiny flow preset.
 
-Every preset runs on the same tiny SD3, prompts, resolution, step count and group (``configs/flow/tiny_base.yaml``).
+Every preset runs on the same tiny SD3, prompts, resolution, step count and group
+(``configs/flow/tiny_base.yaml``).
 
-Time: all presets live in one process and share one loaded model, and their iterations are interleaved round-robin
-(one warm-up round, then ``ROUNDS`` timed rounds), so that a shared machine's load hits every preset alike; each
-preset's time is the median of its rounds. An iteration is what ``Trainer.train`` runs per optimiser step: rollout,
-rewards, advantages (and the branch recomputation) and the update; no evaluation or checkpointing.
+Time: all presets live in one process and share one loaded model, and their iterations are interleaved
+round-robin (one warm-up round, then ``ROUNDS`` timed rounds), so that a shared machine's load hits every
+preset alike; each preset's time is the median of its rounds. An iteration is what ``Trainer.train`` runs per
+optimiser step: rollout, rewards, advantages (and the branch recomputation) and the update; no evaluation or
+checkpointing.
 
-``loop_overhead``: iteration time divided by the time spent inside the transformer during that iteration, timed
-around every forward call of the transformer and every backward pass (so the pure model compute of exactly the
-iteration's NFEs, measured under the same load). ``raw_overhead`` is the same ratio against separately timed raw
-calls (a micro-batch forward, and forward + backward) times the number of calls the NFE counters imply; it is noisy
-on a shared machine and only given for presets whose calls are all full micro-batches.
+``loop_overhead``: iteration time divided by the time spent inside the transformer during that iteration,
+timed around every forward call of the transformer and every backward pass (so the pure model compute of
+exactly the iteration's NFEs, measured under the same load). ``raw_overhead`` is the same ratio against
+separately timed raw calls (a micro-batch forward, and forward + backward) times the number of calls the NFE
+counters imply; it is noisy on a shared machine and only given for presets whose calls are all full
+micro-batches.
 
-Memory: each preset also runs alone in a fresh process for ``MEMORY_ITERATIONS`` iterations: its peak resident set
-size (``ru_maxrss``) and the growth of that peak over the size after loading.
+Memory: each preset also runs alone in a fresh process for ``MEMORY_ITERATIONS`` iterations: the process's
+peak resident set size (``ru_maxrss``, model loading included), and the peak during training alone (Linux
+``VmHWM``, reset after loading through ``/proc/self/clear_refs``) with its growth over the resident size after
+loading.
+
+``compute_units`` is a compute-bound proxy of an iteration's cost, for models whose cost grows with the rows
+of a call (real models on GPUs; the tiny CPU model's cost is mostly per call): forwards without grad + 3 x
+forwards with grad (a backward costs about two forwards).
 """
 
 from __future__ import annotations
@@ -75,8 +84,8 @@ class ModelClock:
 
 
 def build_trainers(output_dir: str, presets: tuple[str, ...] = PRESETS) -> dict[str, Any]:
-    """A trainer per preset, all sharing one loaded model (the presets differ only in rollout and loss settings).
-    Run from the repository root: the presets' prompt files are relative to it."""
+    """A trainer per preset, all sharing one loaded model (the presets differ only in rollout and loss
+    settings). Run from the repository root: the presets' prompt files are relative to it."""
     from mmgrpo.config import load_config
     from mmgrpo.trainer import Trainer
 
@@ -115,7 +124,8 @@ def iteration(trainer: Any, clock: ModelClock | None = None) -> dict[str, Any]:
 
 
 def raw_call_seconds(policy: Any) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of one raw transformer call on a micro-batch of the run's latents."""
+    """(forward, forward + backward) seconds of one raw transformer call on a micro-batch of the run's
+    latents."""
     s, rows = policy.cfg.sampling, policy.cfg.train.micro_batch_size
     adapter = policy.adapter
     x = adapter.initial_latents(rows, s.height, s.width, s.num_frames, torch.Generator().manual_seed(0))
@@ -143,8 +153,10 @@ def summarize(preset: str, cfg: Any, runs: list[dict[str, Any]],
            "train_s": statistics.median(r["train_s"] for r in runs),
            "nfe_rollout": counters["nfe/rollout"], "nfe_train_grad": counters["nfe/train_grad"],
            "nfe_train_nograd": counters["nfe/train"] - counters["nfe/train_grad"],
+           "compute_units": counters["nfe/rollout"] + counters["nfe/train"] + 2 * counters["nfe/train_grad"],
            "onpolicy_max_dev": max(r["onpolicy_max_dev"] for r in runs),
-           "loop_overhead": statistics.median(r["seconds"] / r["model_s"] for r in runs), "raw_overhead": None}
+           "loop_overhead": statistics.median(r["seconds"] / r["model_s"] for r in runs),
+           "raw_overhead": None}
     mb = cfg.train.micro_batch_size
     if cfg.mode.name != "branch" and (cfg.train.prompts_per_step * cfg.train.group_size) % mb == 0:
         forward = statistics.median(f for f, _ in raw)
@@ -185,6 +197,25 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _status_mib(field: str) -> float | None:
+    """A memory field of /proc/self/status (VmRSS, VmHWM) in MiB; None where there is none."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    line = next((ln for ln in text.splitlines() if ln.startswith(f"{field}:")), None)
+    return int(line.split()[1]) / 1024 if line else None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset Linux's peak RSS (VmHWM) to the current RSS; False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 def memory(preset: str) -> dict[str, float]:
     """Peak RSS of ``preset`` run alone in a fresh process, and its growth over the size after loading."""
     with tempfile.TemporaryDirectory(prefix=f"mmgrpo-bench-{preset}-") as tmp:
@@ -205,6 +236,8 @@ def flow_modes() -> tuple[list[dict[str, Any]], dict[str, float]]:
         row.update(memory(preset))
         row["vs_flowgrpo"] = row["s_per_iter"] / rows["tiny_flowgrpo"]["s_per_iter"]
     figures = {name: rows[a]["s_per_iter"] / rows[b]["s_per_iter"] for name, (a, b) in FIGURES.items()}
+    dance, branch = rows["tiny_dancegrpo"], rows["tiny_branchgrpo"]
+    figures["branchgrpo_vs_dancegrpo_compute_units"] = branch["compute_units"] / dance["compute_units"]
     figures["loop_overhead"] = rows["tiny_flowgrpo"]["loop_overhead"]
     figures["bench_minutes"] = (time.perf_counter() - start) / 60
     return list(rows.values()), figures
@@ -223,11 +256,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainers(tmp, (args.preset,))[args.preset]
-        loaded = peak_rss_mib()
+        loaded = _status_mib("VmRSS")
+        reset = _reset_peak_rss()  # loading peaks above training on the tiny model: measure training alone
         for _ in range(MEMORY_ITERATIONS):
             iteration(trainer)
-    peak = peak_rss_mib()
-    Path(args.out).write_text(json.dumps({"peak_rss_mib": peak, "rss_growth_mib": peak - loaded}))
+        training_peak = _status_mib("VmHWM") if reset else None
+    result = {"peak_rss_mib": peak_rss_mib(), "train_peak_rss_mib": training_peak,
+              "train_rss_growth_mib": None if training_peak is None else training_peak - loaded}
+    Path(args.out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

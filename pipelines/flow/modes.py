@@ -154,9 +154,6 @@ class TreePlan:
 class RolloutMode:
     """Base of the modes. ``cfg`` is the whole :class:`~.config.FlowConfig`; constructors validate it."""
 
-    tree = False
-    """True for modes that return a :class:`TreePlan`."""
-
     def __init__(self, cfg: Any):
         self.cfg = cfg
         self.mode = cfg.mode
@@ -299,8 +296,6 @@ class BranchMode(RolloutMode):
     """BranchGRPO: a tree per prompt (``mode.split_points``, ``mode.branch_factor``) whose leaves are the
     group; shared prefixes are sampled once, rewards are backed up to internal nodes, advantages normalised
     per depth; width pruning (``mode.width_keep``) and sliding depth pruning (``mode.depth_prune_*``)."""
-
-    tree = True
 
     def __init__(self, cfg: Any):
         super().__init__(cfg)

@@ -122,7 +122,16 @@ def test_every_mode_is_registered():
 
 
 @pytest.fixture(scope="module")
-def branch_policy():
+def one_thread():
+    """The tiny model's calls are too small to gain from a 2nd thread (2 threads spin on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def branch_policy(one_thread):
     from mmgrpo.pipelines.flow.policy import FlowPolicy
 
     cfg = config("mode.name=branch", "mode.split_points=[1,2]", "mode.branch_factor=2", "train.group_size=4",

@@ -21,6 +21,7 @@ MODES = {  # flow_grpo and mixgrpo are also trained below (KL and checkpoint tes
     "flow_grpo_bf16_latents": ("tiny_flowgrpo", ["sampling.latent_dtype=bfloat16"]),
     "dance_grpo": ("tiny_dancegrpo", []),
     "mixgrpo_flash": ("tiny_mixgrpo_flash", ["mode.window_size=1"]),
+    "fast": ("tiny_flowgrpo", ["mode.name=fast", "mode.window_size=2"]),
     "branch": ("tiny_branchgrpo", ["mode.split_points=[0,2]", "mode.depth_prune_window=1"]),
     "tempflow": ("tiny_tempflow", []),
 }
@@ -40,6 +41,16 @@ def at_repo_root(monkeypatch):
 def config(preset, tmp_path, *overrides):
     path = ROOT / "configs" / "flow" / f"{preset}.yaml"
     return load_config(path, [*SMALL, f"output_dir={tmp_path}", *overrides])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's calls are too small to gain from a second thread, and a shared 2-core machine makes
+    two threads spin against each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
