@@ -87,7 +87,7 @@ def _run_max(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _components(mask: torch.Tensor) -> torch.Tensor:
     """8-connected component ids of (N, H, W) boolean masks (0 outside), by max-label propagation along rows,
     columns and diagonals (3x3 max) until nothing changes."""
-    n, h, w = mask.shape
+    _, h, w = mask.shape
     labels = torch.where(mask, torch.arange(1, h * w + 1).view(1, h, w), 0)
     mask_t = mask.transpose(1, 2).contiguous()
     while True:

@@ -149,7 +149,8 @@ def test_size_position_distance_flags_the_huge_shape_hack():
     true = torch.from_numpy(np.stack([TASK.render(s, 50 + i) for i, s in enumerate(specs)]))
     honest = size_position_distance(true, specs, stats)
     hack_spec = parse_prompt("a red square")
-    hacked = torch.from_numpy(np.stack([draw([dict(colour="red", shape="square", size=0.6, x=0.5, y=0.5)])] * 8))
+    huge = {"colour": "red", "shape": "square", "size": 0.6, "x": 0.5, "y": 0.5}
+    hacked = torch.from_numpy(np.stack([draw([huge])] * 8))
     assert honest < 2.0  # pixels
     assert size_position_distance(hacked, [hack_spec] * 8, stats) > 5 * honest
     assert np.isnan(size_position_distance(torch.zeros(2, 3, 64, 64), [hack_spec] * 2, stats))
