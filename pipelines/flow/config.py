@@ -115,6 +115,10 @@ class FlowModeConfig:
     tempflow_candidates: list[int] | None = None
     """tempflow: steps that may be the single SDE branch step, drawn once per group (None: all but the
     last)."""
+    shared_initial_noise: bool = False
+    """The G samples of a group start from one initial latent (DanceGRPO's same-noise groups), so they differ
+    only by the policy's own SDE noise and every reward difference is credited to trained steps. tempflow always
+    shares it; branch trees share their root by construction."""
     timestep_weighting: str = "uniform"
     """Per-step loss weights for every mode: uniform or noise_aware (TempFlow-GRPO)."""
 

@@ -72,7 +72,8 @@ class LinearPlan:
       all.
     - ``solver_after`` / ``ode_sigmas_after``: how the ODE steps after the last SDE step run (as in
       :class:`~.schedules.StepPlan`; the same for every sample).
-    - ``shared_noise``: the G samples of a group start from one initial latent (TempFlow-GRPO).
+    - ``shared_noise``: the G samples of a group start from one initial latent (TempFlow-GRPO always; the other
+      modes with ``mode.shared_initial_noise``).
     """
 
     sde: Tensor
@@ -82,11 +83,11 @@ class LinearPlan:
     shared_noise: bool = False
 
     @classmethod
-    def shared(cls, plan: schedules.StepPlan, num_samples: int) -> LinearPlan:
+    def shared(cls, plan: schedules.StepPlan, num_samples: int, shared_noise: bool = False) -> LinearPlan:
         """The same :class:`~.schedules.StepPlan` for every sample."""
         sde = torch.tensor(plan.sde, dtype=torch.bool).expand(num_samples, -1).clone()
         steps = torch.tensor(plan.train, dtype=torch.int64).expand(num_samples, -1).clone()
-        return cls(sde, steps, plan.solver_after, plan.ode_sigmas_after)
+        return cls(sde, steps, plan.solver_after, plan.ode_sigmas_after, shared_noise)
 
     @property
     def num_steps(self) -> int:
@@ -178,7 +179,7 @@ class RolloutMode:
             raise ConfigError(f"bad value for 'mode.name': {self.mode.name} trains no step with a log-prob "
                               f"(the only trained step is the deterministic last cps step)")
         return LinearPlan.shared(schedules.StepPlan(plan.sde, kept, plan.solver_after, plan.ode_sigmas_after),
-                                 num_samples)
+                                 num_samples, self.mode.shared_initial_noise)
 
 
 @ROLLOUT_MODES.register("flow_grpo")
@@ -209,7 +210,8 @@ class DanceGRPOMode(RolloutMode):
              generator: torch.Generator) -> LinearPlan:
         n = num_groups * group_size
         steps = schedules.dance_grpo_steps(self.trainable_steps, self.mode.train_fraction, n, generator)
-        return LinearPlan(torch.ones(n, self.num_steps, dtype=torch.bool), steps)
+        return LinearPlan(torch.ones(n, self.num_steps, dtype=torch.bool), steps,
+                          shared_noise=self.mode.shared_initial_noise)
 
 
 @ROLLOUT_MODES.register("fast")

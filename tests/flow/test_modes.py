@@ -74,6 +74,12 @@ def test_tempflow_has_one_sde_step_shared_by_a_group():
     assert (p.sde.float().argmax(dim=1) == p.train_steps[:, 0]).all()
 
 
+@pytest.mark.parametrize("name", ["flow_grpo", "dance_grpo", "fast", "mixgrpo", "mixgrpo_flash"])
+def test_shared_initial_noise_is_an_option_of_every_chain_mode(name):
+    assert not plan([f"mode.name={name}", "mode.window_size=2"]).shared_noise
+    assert plan([f"mode.name={name}", "mode.window_size=2", "mode.shared_initial_noise=true"]).shared_noise
+
+
 def test_branch_plan_trains_owned_nodes_with_depth_pruning():
     p = plan(["mode.name=branch", "mode.split_points=[2,4,6]", "mode.depth_prune_window=3",
               "mode.width_keep=0.5"], group_size=8)

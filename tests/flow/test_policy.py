@@ -22,6 +22,7 @@ MODES = {  # flow_grpo and mixgrpo are also trained below (KL and checkpoint tes
     "dance_grpo": ("tiny_dancegrpo", []),
     "mixgrpo_flash": ("tiny_mixgrpo_flash", ["mode.window_size=1"]),
     "fast": ("tiny_flowgrpo", ["mode.name=fast", "mode.window_size=2"]),
+    "mixgrpo_shared_noise": ("tiny_mixgrpo", ["mode.shared_initial_noise=true"]),
     "branch": ("tiny_branchgrpo", ["mode.split_points=[0,2]", "mode.depth_prune_window=1"]),
     "tempflow": ("tiny_tempflow", []),
 }
@@ -131,6 +132,20 @@ def test_checkpoint_round_trip_keeps_weights_and_window_position(adapter, tmp_pa
             "--prompt", "a green cube"]
     assert main(args) == 0
     assert (tmp_path / "samples" / "sample.png").is_file()
+
+
+def test_shared_initial_noise_starts_each_group_from_one_latent(adapter, tmp_path):
+    """With the window on the first steps, the first trained step's input is the initial latent."""
+    for shared in (True, False):
+        cfg = config("tiny_mixgrpo", tmp_path, "mode.window_size=2", "mode.shift_interval=1000",
+                     f"mode.shared_initial_noise={str(shared).lower()}")
+        policy = FlowPolicy(cfg, adapter=adapter)
+        rollout = policy.rollout(ITEMS, [0, 1], group_size=4)
+        first = rollout.data["x"][:, 0].float().view(2, 4, -1)
+        same_in_group = bool((first == first[:, :1]).all())
+        assert same_in_group == shared
+        assert not torch.equal(first[0, 0], first[1, 0])  # groups differ either way
+        assert not torch.equal(rollout.data["x_next"][0, 0], rollout.data["x_next"][1, 0])  # own SDE noise
 
 
 def test_generate_is_deterministic_per_item(adapter, tmp_path):
