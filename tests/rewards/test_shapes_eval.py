@@ -154,3 +154,22 @@ def test_size_position_distance_flags_the_huge_shape_hack():
     assert honest < 2.0  # pixels
     assert size_position_distance(hacked, [hack_spec] * 8, stats) > 5 * honest
     assert np.isnan(size_position_distance(torch.zeros(2, 3, 64, 64), [hack_spec] * 2, stats))
+
+
+def test_layout_margin_is_signed_by_the_prompted_direction_and_nan_without_a_relation():
+    layout = REWARDS.build("shapes_layout")
+    left = {"colour": "red", "shape": "circle", "size": 0.28, "x": 0.25, "y": 0.5}
+    right = {"colour": "blue", "shape": "square", "size": 0.28, "x": 0.75, "y": 0.5}
+    image = torch.from_numpy(np.stack([draw([left, right])] * 3))
+    prompts = ["a red circle left of a blue square", "a red circle right of a blue square", "a red circle"]
+    specs = [parse_prompt(p) for p in prompts]
+    margins = layout(RewardBatch(prompts=prompts, group=torch.arange(3), images=image, meta=specs))
+    assert margins[0] == 1.0 and margins[1] == -1.0  # 0.5 apart: beyond the 0.3 scale, clipped
+    assert torch.isnan(margins[2])
+    near = torch.from_numpy(draw([dict(left, x=0.3, y=0.3), dict(right, x=0.45, y=0.7)]))[None]
+    spec = parse_prompt(prompts[0])
+    margin = layout(RewardBatch(prompts=prompts[:1], group=torch.zeros(1), images=near, meta=[spec]))
+    assert margin.item() == pytest.approx(0.15 / 0.3, abs=0.05)  # half-way: partial credit
+    empty = layout(RewardBatch(prompts=prompts[:1], group=torch.zeros(1), images=torch.zeros(1, 3, 64, 64),
+                               meta=[spec]))
+    assert empty.item() == -1.0
