@@ -244,7 +244,9 @@ class FlowAdapter:
         if self.is_lora:
             self._add_lora(transformer, cfg)
         else:
-            transformer.to(torch.float32).requires_grad_(True)
+            if transformer.dtype != torch.float32:  # trained weights are fp32 (diffusers warns on a no-op cast)
+                transformer.to(torch.float32)
+            transformer.requires_grad_(True)
         self.attention_backend = self._set_attention_backend(transformer, cfg.attention_backend)
         self._reference: nn.Module | None = None
         if keep_reference and not self.is_lora:
