@@ -1,10 +1,15 @@
 """``mmgrpo demo [flow|vlm]``: the tiny shipped models, on CPU, with no downloads: evaluate on held-out prompts,
 train with GRPO, evaluate again, and write ``report.md`` and ``demo.json``.
 
-Honesty rules (flow): the held-out metric is the full ShapesT2I evaluator (colour, shape, count, position, size,
-background), and the report also gives what the training reward does not see: the diversity of samples for one
-prompt and the distance of object sizes and positions from the data. Training stops early when diversity falls
-more than 20% below the base model's, and the report then uses the last evaluation that kept it.
+Honesty rules:
+
+- The held-out prompts are scored twice only, before and after training; nothing is selected on them. During
+  training, a validation set of training prompts (never held-out ones) is scored every ``eval_every`` steps, and
+  the reported model is the validation-best snapshot.
+- Flow: the held-out metric is the full ShapesT2I evaluator (colour, shape, count, position, size, background), and
+  the report also gives what the training reward does not see: the diversity of samples for one prompt and the
+  distance of object sizes and positions from the data. A snapshot counts only while its validation diversity
+  stays within 20% of the base model's; training stops early once it falls below.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ class DemoSpec:
     samples_per_prompt: int
     """Held-out samples per prompt (seeds 0..k-1); diversity needs at least 2."""
     eval_every: int
-    """Optimiser steps between held-out evaluations during training."""
+    """Optimiser steps between validation evaluations during training."""
+    num_val: int
+    """Training prompts in the validation set (scored with ``samples_per_prompt`` samples each)."""
     train_minutes: float
     """Wall-clock budget for the training phase."""
     overrides: list[str] = field(default_factory=list)
@@ -47,9 +54,9 @@ class DemoSpec:
 
 DEMOS = {
     "flow": DemoSpec(preset="configs/flow/demo_shapes.yaml", asset="assets/tiny-sd3-shapes", task="ShapesT2I", metric="shapes_eval/score",
-                     samples_per_prompt=4, eval_every=10, train_minutes=9.0),
+                     samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
-                    samples_per_prompt=1, eval_every=10, train_minutes=9.0),
+                    samples_per_prompt=1, eval_every=10, num_val=24, train_minutes=9.0),
 }
 
 
@@ -79,6 +86,12 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
     return metrics, batch
 
 
+def validation_items(train_items: list[dict], n: int) -> list[dict]:
+    """``n`` training items spread evenly over the training set (the validation set; never held-out items)."""
+    step = max(1, len(train_items) // n)
+    return train_items[::step][:n]
+
+
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
     """Run one demo end to end and return what demo.json holds."""
     from rich.console import Console
@@ -101,14 +114,17 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
                                "logging.progress=true", *spec.overrides])
     trainer = Trainer(cfg)
     policy, zoo = trainer.policy, trainer.rewards
-    items = trainer.eval_items
-    console.print(f"[bold]mmgrpo demo {which}[/]: {spec.task}, {len(items)} held-out prompts, preset {spec.preset}")
+    items, val_items = trainer.eval_items, validation_items(trainer.train_items, spec.num_val)
+    console.print(f"[bold]mmgrpo demo {which}[/]: {spec.task}, {len(items)} held-out prompts, preset {spec.preset}",
+                  soft_wrap=True)
 
     before, before_batch = evaluate(policy, zoo, items, spec, flow)
-    console.print(f"before training: {spec.metric} = {before[spec.metric]:.3f}")
-    evaluations = [(0, before)]
-    best = {"step": 0, "metrics": before}
+    console.print(f"before training: held-out {spec.metric} = {before[spec.metric]:.3f}")
+    val_base, _ = evaluate(policy, zoo, val_items, spec, flow)
+    validations = [(0, val_base)]
+    best = {"step": 0, "metrics": val_base}
     snapshot = out / "best-policy"
+    policy.save(snapshot)  # the base model, kept when no later snapshot beats it on validation
     budget_s = 60.0 * (minutes if minutes is not None else spec.train_minutes)
     train_start = time.perf_counter()
     stop_reason = {"why": "step budget reached"}
@@ -117,15 +133,15 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
         out_of_time = time.perf_counter() - train_start > budget_s
         if step % spec.eval_every and not out_of_time:
             return False
-        metrics, _ = evaluate(policy, zoo, items, spec, flow)
-        evaluations.append((step, metrics))
-        console.print(f"step {step}: held-out {spec.metric} = {metrics[spec.metric]:.3f}"
+        metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
+        validations.append((step, metrics))
+        console.print(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}"
                       + (f", diversity {metrics['diversity']:.2f}" if flow else ""))
-        if flow and metrics["diversity"] < DIVERSITY_FLOOR * before["diversity"]:
-            stop_reason["why"] = (f"early stop at step {step}: diversity {metrics['diversity']:.2f} fell below "
-                                  f"{DIVERSITY_FLOOR:.0%} of the base model's {before['diversity']:.2f}")
+        if flow and metrics["diversity"] < DIVERSITY_FLOOR * val_base["diversity"]:
+            stop_reason["why"] = (f"early stop at step {step}: validation diversity {metrics['diversity']:.2f} fell "
+                                  f"below {DIVERSITY_FLOOR:.0%} of the base model's {val_base['diversity']:.2f}")
             return True
-        if metrics[spec.metric] >= best["metrics"][spec.metric]:
+        if metrics[spec.metric] > best["metrics"][spec.metric]:
             best.update(step=step, metrics=metrics)
             policy.save(snapshot)
         if out_of_time:
@@ -133,15 +149,14 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
         return out_of_time
 
     history = trainer.train(should_stop=should_stop)
-    if best["step"] > 0:
-        policy.load(snapshot)
+    policy.load(snapshot)
     after, after_batch = evaluate(policy, zoo, items, spec, flow)
     total_minutes = (time.perf_counter() - start) / 60.0
 
     result = {"task": spec.task, "metric": spec.metric, "before": before[spec.metric],
               "after": after[spec.metric], "minutes": round(total_minutes, 2)}
     (out / "demo.json").write_text(json.dumps(result, indent=2))
-    write_report(out, which, spec, cfg, before, after, evaluations, history, best["step"], stop_reason["why"],
+    write_report(out, which, spec, cfg, before, after, validations, history, best["step"], stop_reason["why"],
                  before_batch, after_batch, total_minutes)
     console.print(comparison_table(spec, before, after, flow))
     console.print(f"wrote {out / 'report.md'} and {out / 'demo.json'} ({total_minutes:.1f} minutes)")
@@ -167,10 +182,10 @@ def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -
 
 
 def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[str, float],
-                 after: dict[str, float], evaluations: list[tuple[int, dict[str, float]]],
+                 after: dict[str, float], validations: list[tuple[int, dict[str, float]]],
                  history: list[dict[str, Any]], best_step: int, stop_reason: str, before_batch: Any,
                  after_batch: Any, minutes: float) -> None:
-    """report.md with the before/after table, the training and held-out curves, and before/after samples."""
+    """report.md with the before/after table, the training and validation curves, and before/after samples."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -181,8 +196,10 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     axes[0].plot(steps, [r["reward/mean"] for r in history])
     axes[0].set_title("training reward (rollouts)")
     axes[0].set_xlabel("optimiser step")
-    axes[1].plot([s for s, _ in evaluations], [m[spec.metric] for _, m in evaluations], marker="o")
-    axes[1].set_title(f"held-out {spec.metric}")
+    axes[1].plot([s for s, _ in validations], [m[spec.metric] for _, m in validations], marker="o")
+    axes[1].axvline(best_step, color="grey", linestyle="--", label=f"reported model (step {best_step})")
+    axes[1].legend(loc="best", fontsize=8)
+    axes[1].set_title(f"validation {spec.metric} (training prompts)")
     axes[1].set_xlabel("optimiser step")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -203,16 +220,18 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
 
 GRPO on the tiny shipped model, on CPU, with no downloads. Preset: `{spec.preset}`
 ({cfg.train.group_size} samples per prompt, {cfg.train.prompts_per_step} prompts per step, lr {cfg.optim.lr},
-KL beta {cfg.grpo.kl_beta}, clip {cfg.grpo.clip_eps}). Held-out prompts are compositions never seen in training;
-each is sampled {spec.samples_per_prompt} time(s) with fixed seeds.
+KL beta {cfg.grpo.kl_beta}, clip {cfg.grpo.clip_eps}, rewards {", ".join(f"{r.name} x {r.weight:g}" for r in cfg.rewards)}).
+The held-out set ({len(before_batch) // spec.samples_per_prompt} prompts, each sampled {spec.samples_per_prompt}
+time(s) with fixed seeds) was scored only before and after training.
 
 | measure | before | after | change |
 |---|---|---|---|
 {rows}
 
 The headline metric is `{spec.metric}`. Training ran {history[-1]['step'] if history else 0} optimiser steps
-({stop_reason}); the reported model is the one from step {best_step}, the best held-out evaluation
-{"that kept sample diversity" if "diversity" in before else ""}. {diversity_note}
+({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} training prompts was scored;
+the reported model is the validation-best snapshot{" that kept sample diversity" if "diversity" in before else ""}
+(step {best_step}; step 0 is the base model). {diversity_note}
 Total time {minutes:.1f} minutes.
 
 ![reward curve](reward_curve.png)

@@ -78,7 +78,14 @@ def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, support_env):
     assert missing.returncode == 2 and "no checkpoint" in missing.stderr
 
 
-def test_demo_says_what_it_will_do_and_fails_until_assets_exist():
-    proc = run("demo")
-    assert proc.returncode != 0 and "not available yet" in proc.stderr
-    assert not re.search(r"\d+(\.\d+)?\s*%|before\s*[:=]\s*\d", proc.stdout + proc.stderr)
+def test_demo_says_what_it_will_do_and_fails_when_its_asset_is_missing(monkeypatch, capsys):
+    import dataclasses
+
+    from mmgrpo import cli, demo
+
+    spec = dataclasses.replace(demo.DEMOS["flow"], asset="assets/no-such-model")
+    monkeypatch.setitem(demo.DEMOS, "flow", spec)
+    assert cli.main(["demo"]) != 0
+    captured = capsys.readouterr()
+    assert "not available yet" in captured.err and "assets/no-such-model" in captured.err
+    assert not re.search(r"\d+(\.\d+)?\s*%|before\s*[:=]\s*\d", captured.out + captured.err)
