@@ -21,7 +21,7 @@ import torch
 from mmgrpo.registry import Registry
 
 BENCHES = Registry("benchmark", builtin_modules=("mmgrpo.pipelines.flow.bench", "mmgrpo.pipelines.vlm.bench",
-                                                  "mmgrpo.rewards.bench"))
+                                                  "mmgrpo.rewards.bench", "mmgrpo.learning"))
 
 
 def machine_info() -> dict[str, Any]:
