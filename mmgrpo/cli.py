@@ -85,6 +85,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def cmd_rewards(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from mmgrpo.registry import REWARDS
@@ -95,7 +96,7 @@ def cmd_rewards(args: argparse.Namespace) -> int:
     for entry in REWARDS:
         info = entry.info
         table.add_row(entry.name, info.get("kind", "pointwise"), info.get("modality", "any"),
-                      info.get("description", ""))
+                      escape(info.get("description", "")))  # "[lo, hi]" is text, not rich markup
     Console(width=160).print(table)
     return 0
 

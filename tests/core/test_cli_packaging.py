@@ -26,6 +26,7 @@ def test_rewards_command_lists_kind_and_modality():
     assert re.search(r"clip_score\s.*pointwise\s.*image", out)
     assert re.search(r"win_rate\s.*groupwise", out)
     assert re.search(r"format\s.*pointwise\s.*text", out)
+    assert "[min_len, max_len]" in out  # descriptions are printed as text, not read as rich markup
 
 
 def test_unknown_bench_exits_2_and_lists_suites():
