@@ -108,7 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         known = ", ".join(BENCHES.names()) or "none yet"
         print(f"unknown benchmark '{args.name}' (available: {known})", file=sys.stderr)
         return 2
-    run_bench(args.name, args.out)
+    run_bench(args.name, args.out, threads=args.threads)
     return 0
 
 
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark suite, print a table, write JSON")
     p.add_argument("name", help="suite name")
     p.add_argument("--out", help="write the result JSON here")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads, recorded in the output (default 1: "
+                   "on a small shared CPU, more threads wait on each other and make ratios erratic)")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("serve-rewards", help="serve the rewards of a YAML config over HTTP (for the remote reward)")
