@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from mmgrpo.registry import REWARDS
@@ -82,9 +81,9 @@ def laplacian_variance(images: torch.Tensor) -> torch.Tensor:
     """(B,) variance of the 4-neighbour Laplacian of the luma over interior pixels (no padding)."""
     if images.shape[-1] < 3 or images.shape[-2] < 3:
         raise ValueError(f"sharpness needs images of at least 3x3 pixels; got shape {tuple(images.shape)}")
-    kernel = torch.tensor([[0.0, 1.0, 0.0], [1.0, -4.0, 1.0], [0.0, 1.0, 0.0]], dtype=images.dtype,
-                          device=images.device).view(1, 1, 3, 3)
-    response = F.conv2d(luminance(images), kernel)
+    y = luminance(images)  # by shifted slices: a 1-channel conv2d is slower per image at batch 32 than at 1
+    response = (y[..., :-2, 1:-1] + y[..., 2:, 1:-1] + y[..., 1:-1, :-2] + y[..., 1:-1, 2:]
+                - 4 * y[..., 1:-1, 1:-1])
     return response.flatten(1).var(1, unbiased=False).to(torch.float64).cpu()
 
 
