@@ -219,6 +219,22 @@ class ShapesEval(Reward):
         return {k: torch.tensor([r[k] for r in rows], dtype=torch.float64) for k in ("score", *SUB_SCORES)}
 
 
+@REWARDS.register("shapes_partial", kind=POINTWISE, modality="image",
+                  description="ShapesT2I partial credit: the mean of the six shapes_eval sub-scores, in [0, 1]")
+class ShapesPartial(Reward):
+    """The mean of the ``shapes_eval`` sub-scores (count, colour, shape, size, position, background): partial
+    credit for training, so a group in which no sample passes every check still ranks its samples. ``shapes_eval``
+    ``score`` stays the honest metric."""
+
+    modality = "image"
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        detections, stray = detect_objects(images_or_raise(batch, "shapes_partial"))
+        rows = [judge(objs, float(s), _spec(p, m))
+                for objs, s, p, m in zip(detections, stray, batch.prompts, batch.meta)]
+        return torch.tensor([sum(r[k] for k in SUB_SCORES) / len(SUB_SCORES) for r in rows], dtype=torch.float64)
+
+
 RELATION_SCALE = 0.3
 """Offset (fraction of the image side) at which ``shapes_layout`` saturates: about the centre distance of two
 objects placed side by side in the data."""

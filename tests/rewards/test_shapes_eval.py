@@ -173,3 +173,14 @@ def test_layout_margin_is_signed_by_the_prompted_direction_and_nan_without_a_rel
     empty = layout(RewardBatch(prompts=prompts[:1], group=torch.zeros(1), images=torch.zeros(1, 3, 64, 64),
                                meta=[spec]))
     assert empty.item() == -1.0
+
+
+def test_partial_credit_is_the_mean_of_the_sub_scores(heldout):
+    images, specs = heldout
+    images, specs = images[:6], specs[:6]
+    images[1] = 0.0  # an empty image fails most checks
+    sub = score(images, specs)
+    batch = RewardBatch(prompts=[s["prompt"] for s in specs], group=torch.arange(6), images=images, meta=specs)
+    partial = REWARDS.build("shapes_partial")(batch)
+    expected = torch.stack([sub[k] for k in ("count", "colour", "shape", "size", "position", "background")]).mean(0)
+    assert torch.allclose(partial, expected) and partial[1] < 0.5 < partial[0]
