@@ -126,6 +126,18 @@ class Policy(ABC):
         acc = getattr(self, "accelerator", None)
         return acc.get_state_dict(self.model) if acc is not None else self.model.state_dict()
 
+    def sharded_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """:meth:`full_state_dict` when ``model`` is sharded (FSDP or DeepSpeed ZeRO-3), else None (the unwrapped
+        module holds every weight). Collective when sharded: ``save`` calls it on every process."""
+        acc = getattr(self, "accelerator", None)
+        if acc is None:
+            return None
+        from accelerate.utils import DistributedType
+
+        plugin = acc.state.deepspeed_plugin
+        zero3 = acc.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
+        return self.full_state_dict() if acc.distributed_type == DistributedType.FSDP or zero3 else None
+
     @abstractmethod
     def save(self, directory: Path) -> None:
         """Write the trainable weights in their user-facing format (PEFT adapter or full model, safetensors).

@@ -487,25 +487,35 @@ class FlowAdapter:
         """The parameters the optimiser updates (LoRA weights, or the whole transformer)."""
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
-    def save_trainable(self, directory: Path, transformer: nn.Module | None = None) -> None:
+    def save_trainable(self, directory: Path, transformer: nn.Module | None = None,
+                       state_dict: dict[str, Tensor] | None = None) -> None:
         """Write the trained weights (safetensors) for stock diffusers.
 
         LoRA: ``directory/pytorch_lora_weights.safetensors`` via the pipeline class's ``save_lora_weights``, with the
         LoRA config (rank, alpha) as metadata, so ``pipe.load_lora_weights(directory)`` reproduces the adapter.
-        Full fine-tune: ``directory/transformer`` via ``save_pretrained``. ``transformer`` is the unwrapped module
-        to save (default: :attr:`transformer`)."""
+        Full fine-tune: a ``directory/transformer`` folder that ``from_pretrained`` loads. ``transformer`` is the
+        unwrapped module to save (default: :attr:`transformer`); ``state_dict`` is its gathered full state dict
+        when the trained module is sharded (FSDP / ZeRO-3), whose own tensors are then only shards."""
         model = self.transformer if transformer is None else transformer
         directory = Path(directory)
         if self.is_lora:
             from peft.utils import get_peft_model_state_dict
 
-            state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+            lora = get_peft_model_state_dict(model, state_dict=state_dict)
             type(self.pipe).save_lora_weights(
-                directory, transformer_lora_layers=state, safe_serialization=True,
-                transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
+                directory, transformer_lora_layers={k: v.detach().contiguous() for k, v in lora.items()},
+                safe_serialization=True, transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
             )
-        else:
+        elif state_dict is None:
             model.save_pretrained(directory / "transformer", safe_serialization=True)
+        else:  # what save_pretrained writes (config + one safetensors shard), from the gathered weights
+            from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+            from safetensors.torch import save_file
+
+            (directory / "transformer").mkdir(parents=True, exist_ok=True)
+            model.save_config(directory / "transformer")
+            save_file({k: v.detach().contiguous() for k, v in state_dict.items()},
+                      directory / "transformer" / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
 
     def load_trainable(self, directory: Path) -> None:
         """Load weights written by :meth:`save_trainable` into :attr:`transformer`, in place."""

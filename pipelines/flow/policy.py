@@ -91,10 +91,11 @@ class FlowPolicy(Policy):
     def save(self, directory: Path) -> None:
         """Trainable weights in their user-facing format (a PEFT LoRA folder that ``pipe.load_lora_weights``
         reads, or a full ``transformer`` folder) plus the rollout count."""
+        state = self.sharded_state_dict()
         if not self.is_main_process:
             return
         directory.mkdir(parents=True, exist_ok=True)
-        self.adapter.save_trainable(directory, transformer=self.unwrapped_model())
+        self.adapter.save_trainable(directory, transformer=self.unwrapped_model(), state_dict=state)
         (directory / STATE_FILE).write_text(json.dumps({"rollouts": self.rollouts}))
 
     def load(self, directory: Path) -> None:

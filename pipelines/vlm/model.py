@@ -223,12 +223,14 @@ class VLMModel:
             raise RuntimeError("no reference model: full fine-tuning keeps a frozen copy only when VLMModel is "
                                "built with keep_reference=True (or use LoRA, whose reference is the base model)")
 
-    def save(self, directory: str | Path, model: nn.Module | None = None) -> None:
+    def save(self, directory: str | Path, model: nn.Module | None = None,
+             state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the weights (LoRA: the PEFT adapter as safetensors; full: a ``save_pretrained`` folder that
-        ``AutoModelForImageTextToText.from_pretrained`` loads) and the processor to ``directory``."""
+        ``AutoModelForImageTextToText.from_pretrained`` loads) and the processor to ``directory``. ``state_dict``
+        is the gathered full state dict when the trained model is sharded (FSDP / ZeRO-3)."""
         model = strip_parallel(model if model is not None else self.model)
         directory = Path(directory)
-        model.save_pretrained(directory, safe_serialization=True)
+        model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
         self.processor.save_pretrained(directory)
 
     def load(self, directory: str | Path) -> None:

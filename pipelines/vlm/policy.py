@@ -371,8 +371,9 @@ class VLMPolicy(Policy):
     # ------------------------------------------------------------------------------------------------ weights
     def save(self, directory: Path) -> None:
         """PEFT adapter (LoRA) or a full ``save_pretrained`` folder, plus the processor (:meth:`VLMModel.save`)."""
+        state = self.sharded_state_dict()  # collective under FSDP / ZeRO-3
         if self.is_main_process:
-            self.vlm.save(directory, self.unwrapped_model())
+            self.vlm.save(directory, self.unwrapped_model(), state_dict=state)
 
     def load(self, directory: Path) -> None:
         self.vlm.load(directory)

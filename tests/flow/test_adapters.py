@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 
 import diffusers
@@ -256,6 +257,13 @@ def test_lora_starts_at_the_base_model_and_the_reference_stays_there(kind, adapt
         assert all(p.requires_grad for p in params)  # switching the adapters off and on keeps them trainable
 
 
+def assert_same_tensors(a, b):
+    from safetensors.torch import load_file
+
+    left, right = load_file(a), load_file(b)
+    assert left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_saved_lora_loads_in_stock_diffusers_and_back(kind, adapter_of, tmp_path):
     ad = adapter_of(kind)
@@ -268,6 +276,10 @@ def test_saved_lora_loads_in_stock_diffusers_and_back(kind, adapter_of, tmp_path
         with torch.no_grad():
             want = ad._forward(ad.transformer, x, t, e.cond, GUIDANCE[kind])
     assert [p.name for p in tmp_path.iterdir()] == ["pytorch_lora_weights.safetensors"]
+    with perturbed(ad, seed=5):  # a sharded model saves from its gathered state dict: the same file
+        ad.save_trainable(tmp_path / "gathered", state_dict=ad.transformer.state_dict())
+    assert_same_tensors(tmp_path / "pytorch_lora_weights.safetensors",
+                        tmp_path / "gathered" / "pytorch_lora_weights.safetensors")
 
     pipe = getattr(diffusers, ad.pipeline_class).from_pretrained(tiny_path(kind), dtype=torch.float32)
     with torch.no_grad():
@@ -301,6 +313,10 @@ def test_full_fine_tune_trains_everything_saves_a_transformer_folder_and_keeps_a
         assert torch.equal(ad.reference_velocity(x, sigma, e, 4.5), r0)
 
     ad.save_trainable(tmp_path)
+    ad.save_trainable(tmp_path / "gathered", state_dict=ad.transformer.state_dict())  # as under FSDP / ZeRO-3
+    folders = [tmp_path / "transformer", tmp_path / "gathered" / "transformer"]
+    assert_same_tensors(*(d / "diffusion_pytorch_model.safetensors" for d in folders))
+    assert json.loads((folders[0] / "config.json").read_text()) == json.loads((folders[1] / "config.json").read_text())
     loaded = diffusers.SD3Transformer2DModel.from_pretrained(tmp_path / "transformer")
     t = ad.timestep(sigma)
     with torch.no_grad():

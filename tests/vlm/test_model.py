@@ -208,12 +208,21 @@ def test_full_reference_is_a_frozen_copy_and_required():
         assert torch.allclose(logits_of(ref, inputs), base, atol=1e-6)
 
 
+def assert_same_tensors(a, b):
+    from safetensors.torch import load_file
+
+    left, right = load_file(a), load_file(b)
+    assert left.keys() == right.keys() and all(torch.equal(left[k], right[k]) for k in left)
+
+
 def test_full_save_load_round_trip(tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_5_vl"))
     perturb(vlm.model)
     vlm.save(tmp_path / "ckpt")
+    vlm.save(tmp_path / "gathered", state_dict=vlm.model.state_dict())  # as under FSDP / ZeRO-3
+    assert_same_tensors(tmp_path / "ckpt" / "model.safetensors", tmp_path / "gathered" / "model.safetensors")
     inputs = vlm.prompt_inputs("hi", [image(28, 56)], [video(2, 28, 28)])
     reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "ckpt")
     assert torch.allclose(logits_of(reloaded, inputs), logits_of(vlm.model, inputs), atol=1e-6)
@@ -233,7 +242,8 @@ def test_lora_save_load_round_trip(tmp_path):
     vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", lora_rank=4))
     perturb(vlm.model, ("lora_B",))
     vlm.save(tmp_path / "adapter")
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    vlm.save(tmp_path / "gathered", state_dict=vlm.model.state_dict())  # as under FSDP / ZeRO-3
+    assert_same_tensors(*(d / "adapter_model.safetensors" for d in (tmp_path / "adapter", tmp_path / "gathered")))
     assert not (tmp_path / "adapter" / "model.safetensors").exists()
     inputs = vlm.prompt_inputs("hi", [image(28, 28)], [])
     expected = logits_of(vlm.model, inputs)
