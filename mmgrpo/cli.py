@@ -48,6 +48,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     trainer = Trainer(cfg)
     history = trainer.train()
     trainer.print_summary(history)
+    trainer.close()
     return 0
 
 

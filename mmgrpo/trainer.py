@@ -387,6 +387,17 @@ class Trainer:
             if log is not None and self.cfg.logging.plot_every and self.step % self.cfg.logging.plot_every == 0:
                 plot_metrics(read_metrics(log.path), self.run_dir / "plots")
 
+    def close(self) -> None:
+        """End the run on every process: release the DDP wrapper and optimiser (they hold the process group), then
+        stop the trackers and destroy the group while the interpreter is fully alive. A gloo group left to be
+        destroyed at interpreter exit can abort the process. The trainer cannot train after this."""
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        self.policy.model = acc.unwrap_model(self.policy.model)
+        self.optimizer = self.scheduler = None
+        acc.free_memory()
+        acc.end_training()
+
     def print_summary(self, history: list[dict[str, Any]]) -> None:
         if self.accelerator.is_main_process and history:
             from rich.console import Console

@@ -65,3 +65,4 @@ if acc.is_main_process:
     with open(out_path, "w") as f:
         json.dump(summary, f)
 acc.wait_for_everyone()
+trainer.close()
