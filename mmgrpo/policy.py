@@ -31,8 +31,9 @@ class Rollout:
     - ``counters``: numbers to log for this rollout, e.g. ``nfe/rollout`` or ``tokens/completion``.
     - ``sample_mask``: (N,) bool, samples that may be trained at all (False for a failed decode, etc.).
     - ``recompute_old_logp``: set by a policy whose sampling forwards cannot use the training chunking (consecutive
-      rows in ``train.micro_batch_size`` chunks, then ``unit_chunks``); the trainer then recomputes ``old_logp``
-      through ``log_probs`` before the first update and logs how far the sampling log-probs were from it.
+      rows in ``train.micro_batch_size`` chunks, then ``unit_chunks``); the trainer then takes ``old_logp`` from
+      ``log_probs``: for the rows of the first update from that update's own forward, for the rows of later updates
+      (:func:`rows_after_first_update`) from a no-grad pass before it, and logs how far the sampling log-probs were.
     """
 
     group: torch.Tensor
@@ -174,6 +175,14 @@ class PipelineSpec:
     build: Callable[[Any], Policy]
     """``build(cfg) -> Policy``."""
     description: str = ""
+
+
+def rows_after_first_update(n: int, micro_batch_size: int, updates_per_rollout: int) -> int:
+    """How many of a process's n rollout rows the trainer trains after the first update of an iteration: it cuts
+    consecutive rows into micro-batches and spreads the micro-batches evenly over the updates."""
+    micro_batches = -(-n // micro_batch_size)
+    first = -(-micro_batches // updates_per_rollout) * micro_batch_size
+    return max(n - first, 0)
 
 
 def build_policy(cfg: Any) -> Policy:

@@ -173,26 +173,19 @@ class Trainer:
             acc.gradient_state._set_sync_gradients(True)
 
     @torch.no_grad()
-    def recompute_old_logp(self, rollout: Rollout) -> float:
-        """Replace ``rollout.old_logp`` by log-probs from the training forward path in the first epoch's chunking.
-
-        For rollouts whose sampling forwards cannot share the training batch layout (a branching tree's nodes).
-        Returns max |rollout log-prob - recomputed| over trained units: it stays near float noise when sampling
-        and training agree on the noise and std, and exposes them when they do not."""
-        mask = rollout.mask & rollout.sample_mask[:, None]
+    def recompute_old_logp(self, rollout: Rollout, micro_batches: list[torch.Tensor]) -> None:
+        """Replace ``rollout.old_logp`` of the rows in ``micro_batches`` by log-probs from the training forward path
+        (the first epoch's unit chunking), before any update."""
         fresh = rollout.old_logp.clone()
-        for micro_batches in self._micro_batches(len(rollout), None):
-            for rows in micro_batches:
-                for units in self.policy.unit_chunks(rollout):
-                    cols = slice(None) if units is None else units
-                    with self.accelerator.autocast():
-                        logp = self.policy.log_probs(rollout, rows, units, with_kl=False).logp.float()
-                    block = fresh[rows]
-                    block[:, cols] = logp
-                    fresh[rows] = block
-        dev = (fresh - rollout.old_logp).abs()[mask]
+        for rows in micro_batches:
+            for units in self.policy.unit_chunks(rollout):
+                cols = slice(None) if units is None else units
+                with self.accelerator.autocast():
+                    logp = self.policy.log_probs(rollout, rows, units, with_kl=False).logp.float()
+                block = fresh[rows]
+                block[:, cols] = logp
+                fresh[rows] = block
         rollout.old_logp = fresh
-        return dev.max().item() if dev.numel() else 0.0
 
     def train_on_rollout(self, rollout: Rollout, unit_adv: torch.Tensor, on_step: Any) -> None:
         """K inner epochs over ``rollout``; one optimiser step per update; ``on_step(metrics)`` after each."""
@@ -205,10 +198,18 @@ class Trainer:
         if g.ratio_level == "sequence" and len(chunks) > 1:
             raise ValueError("grpo.ratio_level=sequence needs all units of a sample in one backward pass; this "
                              "policy splits them into chunks")
-        onpolicy_dev = None
+        onpolicy_dev = recompute_dev = sampled_logp = None
+        if rollout.recompute_old_logp:
+            # The sampling forwards could not use the training layout, so old log-probs come from the training
+            # forward: rows of the first update from that update's own forward (the policy has not moved yet, so
+            # this is what a separate pass would give, without its cost), rows of later updates from a pass now.
+            sampled_logp = rollout.old_logp.clone()
+            later = self._micro_batches(len(rollout), None)[1:]
+            self.recompute_old_logp(rollout, [rows for update in later for rows in update])
         for epoch in range(cfg.train.num_inner_epochs):
             updates = self._micro_batches(len(rollout), None if epoch == 0 else gen)
-            for micro_batches in updates:
+            for u, micro_batches in enumerate(updates):
+                old_from_forward = sampled_logp is not None and epoch == 0 and u == 0
                 rows_all = torch.cat(micro_batches)
                 weights_all = aggregation_weights(mask[rows_all], g.loss_aggregation) * rollout.unit_weight[rows_all]
                 sums = {"loss": 0.0, "kl": 0.0, "units": 0.0}
@@ -224,8 +225,14 @@ class Trainer:
                         last_pass = b == len(micro_batches) - 1 and c == len(chunks) - 1
                         with acc.autocast(), self._accumulating(last_pass):
                             out = self.policy.log_probs(rollout, rows, units, with_kl=g.kl_beta > 0)
+                            logp = out.logp.float()
+                            if old_from_forward:
+                                old = logp.detach()
+                                block = rollout.old_logp[rows]
+                                block[:, cols] = old
+                                rollout.old_logp[rows] = block
                             unit_loss, ratio, clipped = self.loss_fn(
-                                logp=out.logp.float(), old_logp=old, advantages=adv, mask=m, clip_low=g.clip_eps,
+                                logp=logp, old_logp=old, advantages=adv, mask=m, clip_low=g.clip_eps,
                                 clip_high=g.clip_eps_high, level=g.ratio_level)
                             if g.kl_beta > 0:
                                 if out.kl is None:
@@ -242,6 +249,9 @@ class Trainer:
                     if onpolicy_dev is None:  # the first micro-batch of the iteration, before any update
                         first = torch.cat(ratios)[torch.cat(masks)]
                         onpolicy_dev = (first - 1).abs().max().item() if first.numel() else 0.0
+                if sampled_logp is not None and recompute_dev is None:  # every row has its old log-prob now
+                    dev = (rollout.old_logp - sampled_logp).abs()[mask]
+                    recompute_dev = dev.max().item() if dev.numel() else 0.0
                 grad_norm = None
                 if cfg.optim.max_grad_norm > 0:
                     grad_norm = acc.clip_grad_norm_(self.policy.trainable_parameters(), cfg.optim.max_grad_norm)
@@ -261,6 +271,8 @@ class Trainer:
                 })
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
+                if recompute_dev is not None:
+                    metrics["logp/rollout_vs_recompute_max_dev"] = recompute_dev
                 on_step(metrics)
                 if self.step >= cfg.train.max_steps:
                     return
@@ -328,8 +340,6 @@ class Trainer:
                 t2 = time.perf_counter()
                 unit_adv, adv_stats = self.compute_advantages(rollout, main)
                 iteration_metrics = self._reward_metrics(main, logged)
-                if rollout.recompute_old_logp:
-                    iteration_metrics["logp/rollout_vs_recompute_max_dev"] = self.recompute_old_logp(rollout)
                 iteration_metrics.update(adv_stats)
                 iteration_metrics.update(rollout.counters)
                 iteration_metrics.update({"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1})

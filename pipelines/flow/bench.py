@@ -6,7 +6,7 @@ Every preset runs on the same tiny SD3, prompts, resolution, step count and grou
 Time: all presets live in one process and share one loaded model, and their iterations are interleaved
 round-robin (one warm-up round, then ``ROUNDS`` timed rounds), so that a shared machine's load hits every
 preset alike; each preset's time is the median of its rounds. An iteration is what ``Trainer.train`` runs per
-optimiser step: rollout, rewards, advantages (and the branch recomputation) and the update; no evaluation or
+optimiser step: rollout, rewards, advantages and the update; no evaluation or
 checkpointing.
 
 ``loop_overhead``: iteration time divided by the time spent inside the transformer during that iteration,
@@ -112,8 +112,6 @@ def iteration(trainer: Any, clock: ModelClock | None = None) -> dict[str, Any]:
     rolled = time.perf_counter()
     main, _, _ = trainer.rewards(rollout.reward_batch)
     unit_adv, _ = trainer.compute_advantages(rollout, main)
-    if rollout.recompute_old_logp:
-        trainer.recompute_old_logp(rollout)
     metrics: list[dict[str, float]] = []
     trainer.train_on_rollout(rollout, unit_adv, metrics.append)
     trainer.iteration += 1

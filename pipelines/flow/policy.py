@@ -32,7 +32,7 @@ from torch import Tensor
 
 from mmgrpo.config import ConfigError
 from mmgrpo.grpo import clip_advantages, gaussian_mean_kl
-from mmgrpo.policy import LogProbs, Policy, Rollout
+from mmgrpo.policy import LogProbs, Policy, Rollout, rows_after_first_update
 from mmgrpo.registry import MODEL_ADAPTERS, RegistryError
 from mmgrpo.rewards import RewardBatch
 
@@ -334,7 +334,11 @@ class FlowPolicy(Policy):
             trained = int(rollout.mask.sum())
             sde_steps = plan.sde.sum(dim=1).float().mean().item()
         epochs, kl = self.cfg.train.num_inner_epochs, int(self.cfg.grpo.kl_beta > 0)
-        recompute = trained * cfg_factor if rollout.recompute_old_logp else 0
+        recompute = 0
+        if rollout.recompute_old_logp:  # only rows of later updates need a separate pass (see Rollout)
+            t = self.cfg.train
+            later = rows_after_first_update(n, t.micro_batch_size, t.updates_per_rollout)
+            recompute = int(rollout.mask[n - later:].sum()) * cfg_factor
         return {
             "nfe/rollout": float(nfe * cfg_factor),
             "nfe/train": float(trained * cfg_factor * (1 + kl) * epochs + recompute),

@@ -153,18 +153,32 @@ def test_in_loop_evaluation_logs_heldout_scores_and_samples(tmp_path):
     assert all(0.0 <= r["eval/toy_bandit:match_reward/mean"] <= 1.0 for r in evals)
 
 
-def test_recomputed_old_logp_reports_its_distance_from_the_rollout(tmp_path):
-    """A policy that must recompute old log-probs gets them replaced, and the distance is logged; a policy whose
-    sampling log-probs disagree with training (here: perturbed on purpose) shows up in that metric."""
-    cfg = toy(tmp_path, "train.max_steps=2")
+@pytest.mark.parametrize("updates", [1, 2])
+def test_recomputed_old_logp_reports_its_distance_from_the_rollout(tmp_path, updates):
+    """A policy that must recompute old log-probs gets them from the training forward (the first update's own
+    forward, a separate pass for later updates' rows), so the first ratio is exactly 1; how far the sampling
+    log-probs were (here: perturbed on purpose) is logged with every update."""
+    cfg = toy(tmp_path, "train.max_steps=4", "train.prompts_per_step=2", "train.micro_batch_size=4",
+              f"train.updates_per_rollout={updates}", "optim.lr=0.1")
     trainer = Trainer(cfg)
     items = trainer.train_items[:2]
     with torch.no_grad():
         rollout = trainer.policy.rollout(items, [0, 1], cfg.train.group_size)
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
     exact = rollout.old_logp.clone()
     rollout.old_logp = exact + 0.25
-    assert abs(trainer.recompute_old_logp(rollout) - 0.25) < 1e-6
-    torch.testing.assert_close(rollout.old_logp, exact)
+    rollout.recompute_old_logp = True
+    rows = []
+    trainer.train_on_rollout(rollout, unit_adv, rows.append)
+    assert len(rows) == updates
+    assert rows[0]["ratio/onpolicy_max_dev"] <= 1e-6
+    for row in rows:
+        assert abs(row["logp/rollout_vs_recompute_max_dev"] - 0.25) < 1e-6
+    torch.testing.assert_close(rollout.old_logp, exact)  # all rows scored by the policy before any update
+    assert rows[0]["ratio/max_dev"] <= 1e-6
+    if updates == 2:  # the second update's rows were scored before the first update moved the policy
+        assert rows[1]["ratio/max_dev"] > 1e-4
 
 
 def test_should_stop_ends_the_run_early_with_a_checkpoint(tmp_path):

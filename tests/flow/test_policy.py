@@ -24,6 +24,8 @@ MODES = {  # flow_grpo and mixgrpo are also trained below (KL and checkpoint tes
     "fast": ("tiny_flowgrpo", ["mode.name=fast", "mode.window_size=2"]),
     "mixgrpo_shared_noise": ("tiny_mixgrpo", ["mode.shared_initial_noise=true"]),
     "branch": ("tiny_branchgrpo", ["mode.split_points=[0,2]", "mode.depth_prune_window=1"]),
+    "branch_two_updates": ("tiny_branchgrpo", ["mode.split_points=[0,2]", "mode.depth_prune_window=1",
+                                               "train.updates_per_rollout=2"]),
     "tempflow": ("tiny_tempflow", []),
 }
 ITEMS = [{"prompt": "a red circle on a black background", "target_rgb": [255, 0, 0]},
@@ -88,9 +90,10 @@ def test_first_ratio_is_exactly_one_for_every_mode(case, adapter, tmp_path):
     row = rows[0]
     assert row["ratio/onpolicy_max_dev"] <= 1e-6
     assert row["nfe/rollout"] > 0 and row["nfe/train"] > 0 and row["steps/trained"] > 0
-    if case == "branch":  # sampled in tree layout, recomputed in training chunking: same noise and std
+    if case.startswith("branch"):  # sampled in tree layout, rescored in training chunking: same noise and std
         assert row["logp/rollout_vs_recompute_max_dev"] <= 1e-5
-        assert row["nfe/recompute"] > 0
+        # with one update its own forward gives the old log-probs; the second update's rows need a pass
+        assert (row["nfe/recompute"] > 0) == (case == "branch_two_updates")
     else:
         assert "logp/rollout_vs_recompute_max_dev" not in row
 
