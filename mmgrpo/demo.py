@@ -56,7 +56,7 @@ DEMOS = {
     "flow": DemoSpec(preset="configs/flow/demo_shapes.yaml", asset="assets/tiny-sd3-shapes", task="ShapesT2I", metric="shapes_eval/score",
                      samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
-                    samples_per_prompt=1, eval_every=10, num_val=24, train_minutes=9.0),
+                    samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=9.0),
 }
 
 

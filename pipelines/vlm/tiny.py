@@ -2,15 +2,23 @@
 
 ``build_tiny_vlm`` writes a folder that ``AutoModelForImageTextToText.from_pretrained`` and
 ``AutoProcessor.from_pretrained`` load like a hub checkpoint: config + safetensors weights, a byte-level
-``Qwen2Tokenizer`` (256 byte symbols, no merges, the Qwen special tokens and chat template), and the real Qwen2-VL
-image and video processors. ``tiny_path`` builds it once into a cache folder.
+``Qwen2Tokenizer`` (256 byte symbols, the Qwen special tokens and chat template; by default no merges), and the real
+Qwen2-VL image and video processors. ``tiny_path`` builds it once into a cache folder.
+
+Given a ``corpus``, the tokenizer also gets byte-pair merges learned on it (every word of the corpus becomes one
+token, any other text still encodes byte by byte) and ``tags`` (e.g. ``<think>``) become single added tokens that
+decoding keeps: a task-sized vocabulary, so a tiny model reads and writes whole words.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -50,14 +58,57 @@ def byte_symbols() -> list[str]:
     return [symbols[b] for b in range(256)]
 
 
-def build_tokenizer():
-    """Byte-level ``Qwen2Tokenizer``: ids 0..255 are the bytes, 256.. the Qwen special tokens in Qwen order; no merges."""
+def merge_pair(symbols: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    """``symbols`` with every left-to-right occurrence of ``pair`` joined into one symbol."""
+    out, i = [], 0
+    while i < len(symbols):
+        if symbols[i:i + 2] == pair:
+            out.append(pair[0] + pair[1])
+            i += 2
+        else:
+            out.append(symbols[i])
+            i += 1
+    return tuple(out)
+
+
+def learn_merges(words: Counter[str]) -> list[tuple[str, str]]:
+    """Byte-pair merges of ``words`` (byte-symbol strings -> counts): the most frequent pair first (ties by the
+    larger pair), until every word is one symbol."""
+    pieces = {word: tuple(word) for word in words}
+    merges = []
+    while True:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for word, symbols in pieces.items():
+            for pair in pairwise(symbols):
+                pairs[pair] += words[word]
+        if not pairs:
+            return merges
+        best = max(pairs, key=lambda pair: (pairs[pair], pair))
+        merges.append(best)
+        pieces = {word: merge_pair(symbols, best) for word, symbols in pieces.items()}
+
+
+def build_tokenizer(corpus: Iterable[str] = (), tags: Sequence[str] = ()):
+    """Byte-level ``Qwen2Tokenizer``: ids 0..255 are the bytes, then one id per merge learned on ``corpus`` (none by
+    default), then the Qwen special tokens in Qwen order, then ``tags`` as non-special added tokens."""
+    from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
-    vocab = {symbol: i for i, symbol in enumerate(byte_symbols() + SPECIAL_TOKENS)}
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token="<|im_end|>",
+    merges: list[tuple[str, str]] = []
+    corpus = list(corpus)
+    if corpus:
+        splitter = build_tokenizer().backend_tokenizer.pre_tokenizer
+        added = re.compile("|".join(re.escape(t) for t in [*SPECIAL_TOKENS, *tags]))
+        words = Counter(piece for text in corpus for part in added.split(text)
+                        for piece, _ in splitter.pre_tokenize_str(part))
+        merges = learn_merges(words)
+    symbols = dict.fromkeys(byte_symbols() + [a + b for a, b in merges])  # two merges may spell one symbol
+    vocab = {symbol: i for i, symbol in enumerate([*symbols, *SPECIAL_TOKENS])}
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, unk_token=None, eos_token="<|im_end|>",
                                pad_token="<|endoftext|>")
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS})
+    if tags:
+        tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in tags])
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -90,9 +141,12 @@ def tiny_config(kind: str, token_ids: dict[str, int], vocab_size: int, hidden_si
 
 
 def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hidden_size: int = 64,
-                   num_layers: int = 2) -> Path:
+                   num_layers: int = 2, corpus: Iterable[str] = (), tags: Sequence[str] = (),
+                   pixel_mean: Sequence[float] | None = None, pixel_std: Sequence[float] | None = None) -> Path:
     """Write a tiny random ``kind`` ("qwen2_vl" or "qwen2_5_vl") checkpoint + processor to ``directory``.
-    ``hidden_size`` (a multiple of 64) and ``num_layers`` size the language model (the benchmark uses wider)."""
+    ``hidden_size`` (a multiple of 64) and ``num_layers`` size the language model (the benchmark uses wider);
+    ``corpus`` and ``tags`` go to :func:`build_tokenizer`; ``pixel_mean`` / ``pixel_std`` (per RGB channel, pixels
+    in 0..1) replace the processors' default CLIP normalisation."""
     from transformers import (
         AutoModelForImageTextToText,
         Qwen2_5_VLProcessor,
@@ -106,7 +160,7 @@ def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hi
     if hidden_size % 64:
         raise ValueError(f"hidden_size must be a multiple of 64, got {hidden_size}")
     directory = Path(directory)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(corpus, tags)
     token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = -(-len(tokenizer) // 16) * 16  # padded like the real checkpoints; rows past the tokenizer unused
     config = tiny_config(kind, token_ids, vocab_size, hidden_size, num_layers)
@@ -115,8 +169,9 @@ def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hi
         model = AutoModelForImageTextToText.from_config(config)
     model.generation_config.eos_token_id = [token_ids["<|im_end|>"], token_ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = token_ids["<|endoftext|>"]
-    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 256 * 28 * 28})
-    video_processor = Qwen2VLVideoProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 128 * 28 * 28})
+    norm = {"image_mean": list(pixel_mean), "image_std": list(pixel_std)} if pixel_mean and pixel_std else {}
+    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 256 * 28 * 28}, **norm)
+    video_processor = Qwen2VLVideoProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 128 * 28 * 28}, **norm)
     processor_cls = Qwen2VLProcessor if kind == "qwen2_vl" else Qwen2_5_VLProcessor
     processor = processor_cls(image_processor=image_processor, tokenizer=tokenizer,
                               video_processor=video_processor, chat_template=CHAT_TEMPLATE)

@@ -1,5 +1,5 @@
-"""The shipped SFT'd tiny Qwen2-VL: a real transformers folder that loads offline, is small, and answers a held-out
-question in the think/answer format."""
+"""The shipped SFT'd tiny Qwen2-VL: a real transformers folder that loads offline, is small, reads task words as single
+tokens, and answers a held-out question in the think/answer format."""
 
 from pathlib import Path
 
@@ -30,6 +30,15 @@ def test_loads_offline_with_the_auto_classes():
     processor = AutoProcessor.from_pretrained(ASSET, local_files_only=True)
     assert model.config.model_type == "qwen2_vl"
     assert processor.tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+
+
+def test_task_words_and_tags_are_single_tokens():
+    from transformers import AutoProcessor
+
+    tok = AutoProcessor.from_pretrained(ASSET, local_files_only=True).tokenizer
+    tokens = tok.convert_ids_to_tokens(tok("<think>red circle</think><answer>A</answer>")["input_ids"])
+    assert tokens == ["<think>", "red", "Ġcircle", "</think>", "<answer>", "A", "</answer>"]
+    assert tok.decode(tok("<think>4 shapes</think>")["input_ids"]) == "<think>4 shapes</think>"
 
 
 def test_greedy_heldout_completions_have_the_think_answer_format():
