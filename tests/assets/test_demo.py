@@ -1,4 +1,5 @@
-"""`mmgrpo demo` (flow) end to end on the shipped tiny ShapesT2I model, shrunk to one training step."""
+"""`mmgrpo demo` end to end on the shipped tiny models (flow: ShapesT2I; vlm: ShapesQA + MotionQA), shrunk to one
+training step."""
 
 import dataclasses
 import json
@@ -14,10 +15,12 @@ SMALL = ["data.num_eval=3", "train.prompts_per_step=2", "train.group_size=4", "t
 
 @pytest.fixture
 def small_demo(monkeypatch):
-    spec = dataclasses.replace(demo.DEMOS["flow"], overrides=SMALL, samples_per_prompt=2, num_val=2, eval_every=1)
-    monkeypatch.setitem(demo.DEMOS, "flow", spec)
     threads = torch.get_num_threads()
-    yield spec
+    for which, samples in (("flow", 2), ("vlm", 1)):
+        spec = dataclasses.replace(demo.DEMOS[which], overrides=SMALL, samples_per_prompt=samples, num_val=2,
+                                   eval_every=1)
+        monkeypatch.setitem(demo.DEMOS, which, spec)
+    yield
     torch.set_num_threads(threads)
 
 
@@ -36,3 +39,15 @@ def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     for measure in ("shapes_eval/score", "diversity", "size_position_distance"):
         assert f"| {measure} |" in report
     assert "scored only before and after training" in report
+
+
+def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
+    result = demo.run_demo("vlm", str(tmp_path), minutes=0.0)
+    saved = json.loads((tmp_path / "demo.json").read_text())
+    assert saved == result and saved["metric"] == "accuracy" and 0 <= saved["after"] <= 1
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["ratio/onpolicy_max_dev"] <= 1e-6
+    assert {"reward/accuracy/mean", "reward/format/mean"} <= set(rows[0])
+    report = (tmp_path / "report.md").read_text()
+    assert "| accuracy |" in report and (tmp_path / "reward_curve.png").stat().st_size > 1000
+    assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
