@@ -7,6 +7,7 @@ reference. A *unit* is whatever one log-prob belongs to: a denoising step (flow)
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,11 +178,16 @@ class PipelineSpec:
     description: str = ""
 
 
+def micro_batches_per_update(n: int, micro_batch_size: int, updates_per_rollout: int) -> int:
+    """How the trainer splits a process's n rollout rows: into micro-batches of ``micro_batch_size`` rows, this
+    many to an update (the last update may get fewer)."""
+    micro_batches = math.ceil(n / micro_batch_size)
+    return math.ceil(micro_batches / updates_per_rollout)
+
+
 def rows_after_first_update(n: int, micro_batch_size: int, updates_per_rollout: int) -> int:
-    """How many of a process's n rollout rows the trainer trains after the first update of an iteration: it cuts
-    consecutive rows into micro-batches and spreads the micro-batches evenly over the updates."""
-    micro_batches = -(-n // micro_batch_size)
-    first = -(-micro_batches // updates_per_rollout) * micro_batch_size
+    """How many of a process's n rollout rows the trainer trains after the first update of an iteration."""
+    first = micro_batches_per_update(n, micro_batch_size, updates_per_rollout) * micro_batch_size
     return max(n - first, 0)
 
 

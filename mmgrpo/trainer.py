@@ -7,7 +7,6 @@ Everything model-specific is behind :class:`mmgrpo.policy.Policy`; everything ma
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -34,7 +33,7 @@ from mmgrpo.grpo import (
     weighted_reward,
     zero_std_groups,
 )
-from mmgrpo.policy import Policy, Rollout, build_policy
+from mmgrpo.policy import Policy, Rollout, build_policy, micro_batches_per_update
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
@@ -157,7 +156,7 @@ class Trainer:
         t = self.cfg.train
         order = torch.arange(n) if generator is None else torch.randperm(n, generator=generator)
         micro = list(order.split(t.micro_batch_size))
-        per_update = math.ceil(len(micro) / t.updates_per_rollout)
+        per_update = micro_batches_per_update(n, t.micro_batch_size, t.updates_per_rollout)
         return [micro[i:i + per_update] for i in range(0, len(micro), per_update)]
 
     @contextmanager
