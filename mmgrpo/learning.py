@@ -25,7 +25,7 @@ from mmgrpo.bench import BENCHES
 
 BUDGET_MINUTES = {"flow": 8.0, "vlm": 6.0}
 """Training wall-clock per variant."""
-MARKS = 4
+MARKS = 8
 """Held-out evaluations during training, evenly spaced over the budget (plus one before training)."""
 TEMPORAL_BONUS = {"name": "temporal_bonus", "weight": 1.0, "args": {"alpha": 0.3, "mu": 0.8}}
 

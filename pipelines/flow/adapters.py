@@ -414,13 +414,15 @@ class FlowAdapter:
         raise NotImplementedError
 
     def velocity(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float,
-                 transformer: nn.Module | None = None) -> Tensor:
+                 transformer: nn.Module | None = None, fused_cfg: bool = False) -> Tensor:
         """The velocity v (n, ...) fp32 at ``latents`` (n, ...) and noise levels ``sigma`` (n,) in [0, 1].
 
         ``transformer`` defaults to :attr:`transformer`; pass the DDP/FSDP-wrapped module in training so gradients
         synchronise. With CFG, the conditional forward runs in the ambient grad mode and the unconditional one,
         a separate forward over the same n rows, always under ``torch.no_grad()``; then
-        ``v = v_u + guidance_scale * (v_c - v_u)`` in fp32. Latents are cast to the model dtype for the forward."""
+        ``v = v_u + guidance_scale * (v_c - v_u)`` in fp32. ``fused_cfg`` instead runs both as one forward of 2n
+        rows [cond; uncond] (no grad only): fewer calls, but a result that differs from the split form by float
+        rounding, so never for a velocity whose log-prob training replays. Latents are cast to the model dtype."""
         model = self.transformer if transformer is None else transformer
         n = latents.shape[0]
         if len(embeds) != n:
@@ -428,12 +430,20 @@ class FlowAdapter:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1).expand(n)
         x = latents.to(self.dtype)
         t = self.timestep(sigma)
-        v = self._forward(model, x, t, embeds.cond, guidance_scale).float()
-        if not self.uses_cfg(guidance_scale):
-            return v
-        if embeds.uncond is None:
+        cfg = self.uses_cfg(guidance_scale)
+        if cfg and embeds.uncond is None:
             raise ValueError(f"guidance_scale {guidance_scale} needs unconditional embeddings: encode the prompts "
                              "with the same guidance_scale")
+        if cfg and fused_cfg:
+            if torch.is_grad_enabled():
+                raise RuntimeError("velocity(fused_cfg=True) runs without grad; call it under torch.no_grad()")
+            both = {k: torch.cat([embeds.cond[k], embeds.uncond[k]]) for k in embeds.cond}
+            v_cond, v_uncond = self._forward(model, x.repeat(2, *[1] * (x.dim() - 1)), t.repeat(2), both,
+                                             guidance_scale).float().chunk(2)
+            return v_uncond + guidance_scale * (v_cond - v_uncond)
+        v = self._forward(model, x, t, embeds.cond, guidance_scale).float()
+        if not cfg:
+            return v
         with torch.no_grad():
             v_uncond = self._forward(model, x, t, embeds.uncond, guidance_scale).float()
         return v_uncond + guidance_scale * (v - v_uncond)

@@ -56,6 +56,11 @@ class FlowSamplingConfig:
     forward). For guidance-distilled FLUX.1-dev it is the embedded guidance value instead."""
     negative_prompt: str = ""
     """Prompt of the unconditional branch."""
+    fused_cfg: bool = True
+    """Run the conditional and unconditional branches as one no-grad forward of 2n rows wherever the rollout's
+    velocity is not replayed by training: ODE and untrained steps, the Flash solver, BranchGRPO trees (whose old
+    log-probs are recomputed) and evaluation. Trained steps always use the training forward's split form, so
+    on-policy exactness holds either way; False runs every CFG velocity as two forwards."""
     height: int = 512
     """Image height in pixels."""
     width: int = 512

@@ -114,11 +114,12 @@ class FlowPolicy(Policy):
         """Consecutive row chunks of ``train.micro_batch_size``: the trainer's first-epoch micro-batches."""
         return list(torch.arange(n).split(self.cfg.train.micro_batch_size))
 
-    def _velocity(self, x: Tensor, sigma: Tensor, embeds: Any) -> Tensor:
+    def _velocity(self, x: Tensor, sigma: Tensor, embeds: Any, replayed: bool = True) -> Tensor:
         """(n, ...) fp32 velocity of the trained transformer (``self.model``: the DDP-wrapped one), CFG
-        inside."""
-        scale = self.cfg.sampling.guidance_scale
-        return self.adapter.velocity(x, sigma, embeds, scale, transformer=self.model)
+        inside. ``replayed=False`` (training never recomputes this velocity) allows ``sampling.fused_cfg``."""
+        s = self.cfg.sampling
+        return self.adapter.velocity(x, sigma, embeds, s.guidance_scale, transformer=self.model,
+                                     fused_cfg=s.fused_cfg and not replayed)
 
     def _stored(self, x: Tensor) -> Tensor:
         """``x`` round-tripped through the storage dtype: the value training will replay."""
@@ -207,7 +208,7 @@ class FlowPolicy(Policy):
             sigma_next = self.sigmas[i + 1].expand(n).to(self.device)
             nxt = torch.empty_like(x)
             for c in self._chunks(n):
-                v = self._velocity(x[c], sigma[c], row_embeds.select(c))
+                v = self._velocity(x[c], sigma[c], row_embeds.select(c), replayed=bool((unit_of[c, i] >= 0).any()))
                 nfe += len(c)
                 nxt[c], logp, std = self._transition(x[c], v, sigma[c], sigma_next[c], sde[c],
                                                      None if noise is None else noise[c])
@@ -253,7 +254,9 @@ class FlowPolicy(Policy):
         return x, nfe
 
     def _chunked_velocity(self, x: Tensor, sigma: Tensor, embeds: Any) -> Tensor:
-        return torch.cat([self._velocity(x[c], sigma[c], embeds.select(c)) for c in self._chunks(len(x))])
+        """A velocity training does not replay (Flash solver, tree nodes, evaluation), by micro-batch chunks."""
+        return torch.cat([self._velocity(x[c], sigma[c], embeds.select(c), replayed=False)
+                          for c in self._chunks(len(x))])
 
     def _sample_tree(self, plan: TreePlan, embeds: Any, group_size: int,
                      generator: torch.Generator) -> tuple[Tensor, dict[str, Any], int]:

@@ -209,6 +209,27 @@ def test_cfg_is_the_manual_combination_and_the_unconditional_branch_carries_no_g
             torch.testing.assert_close(got, g * want, rtol=1e-4, atol=1e-5 * g * want.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", ["sd3", "wan"])
+def test_fused_cfg_is_one_forward_of_both_branches_and_refuses_grad(kind, adapter_of):
+    ad, g = adapter_of(kind), GUIDANCE[kind]
+    x, sigma = inputs(ad, 3)
+    e = ad.encode(["fused one", "fused two", "fused one"], "fused negative", g)
+    rows = []
+    hook = ad.transformer.register_forward_hook(lambda _m, args, kw, _out: rows.append(kw["hidden_states"].shape[0]),
+                                                with_kwargs=True)
+    with torch.no_grad(), perturbed(ad):
+        try:
+            fused = ad.velocity(x, sigma, e, g, fused_cfg=True)
+        finally:
+            hook.remove()
+        split = ad.velocity(x, sigma, e, g)
+    assert rows == [6]  # [cond; uncond] in one call
+    torch.testing.assert_close(fused, split, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fused, ad.velocity(x, sigma, PromptEmbeds(e.cond), 1.0).detach(), atol=1e-3)
+    with pytest.raises(RuntimeError, match="no_grad"):
+        ad.velocity(x, sigma, e, g, fused_cfg=True)
+
+
 def test_guidance_distilled_flux_embeds_the_scale_in_one_forward(adapter_of):
     ad = adapter_of("flux")
     assert ad.guidance_embeds and ad.timestep(torch.tensor([0.25])).item() == 0.25
