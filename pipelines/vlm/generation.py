@@ -10,6 +10,8 @@ positions continuing the prompt, and finished rows dropped from the batch.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -91,6 +93,18 @@ def sample_tokens(logits: torch.Tensor, suppress: torch.Tensor, cfg: VLMGenerati
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """Name of the KV-cache argument of ``model_class.forward`` and field of its output: ``cache`` in recent
+    transformers (which deprecates ``past_key_values``), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def base_class(model: torch.nn.Module) -> type:
+    """The transformers class under a PEFT wrapper."""
+    return type(model.get_base_model() if hasattr(model, "get_base_model") else model)
+
+
 def prefill(vlm: VLMModel, inputs: dict[str, torch.Tensor], rows: int, shared: bool, max_new_tokens: int):
     """Prompt forward for ``rows`` samples: once at batch 1 with the KV cache repeated (``shared``), or on ``rows``
     copies of the prompt. Full-attention cache layers move into buffers with room for ``max_new_tokens``.
@@ -101,7 +115,7 @@ def prefill(vlm: VLMModel, inputs: dict[str, torch.Tensor], rows: int, shared: b
     out = model(input_ids=inputs["input_ids"].expand(copies, -1), position_ids=positions.expand(-1, copies, -1)
                 if positions.shape[0] == 3 else positions[0].expand(copies, -1),
                 use_cache=True, logits_to_keep=1, **vision_inputs([inputs] * copies))
-    cache = out.past_key_values
+    cache = getattr(out, cache_argument(base_class(model)))
     capacity = inputs["input_ids"].shape[1] + max_new_tokens
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
@@ -129,6 +143,7 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
     finished = torch.zeros(group, dtype=torch.bool, device=device)
     alive = torch.arange(group, device=device)
     lead = next_position.shape[0]
+    cache_name = cache_argument(base_class(vlm.model))
     for t in range(limit):
         token = sample_tokens(logits, suppress, cfg, generator)
         tokens[alive, t] = token
@@ -146,7 +161,7 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
             break
         position = (next_position + t).expand(lead, len(alive), 1)
         logits = vlm.model(input_ids=token[:, None], position_ids=position if lead == 3 else position[0],
-                           past_key_values=cache, use_cache=True).logits[:, -1].float()
+                           use_cache=True, **{cache_name: cache}).logits[:, -1].float()
     width = int(lengths.max())
     mask = torch.arange(width, device=device) < lengths[:, None]
     ids = tokens[:, :width]
