@@ -160,7 +160,7 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--pixel-std", type=float, default=0.5, help="processor pixel std (mean 0: black is 0)")
     parser.add_argument("--train-per-kind", type=int, default=240, help="shipped train items per kind")
-    parser.add_argument("--heldout-per-kind", type=int, default=12, help="shipped held-out items per kind")
+    parser.add_argument("--heldout-per-kind", type=int, default=80, help="shipped held-out items per kind")
     parser.add_argument("--sft-per-kind", type=int, default=400, help="train-split items per kind for the SFT")
     parser.add_argument("--monitor-per-kind", type=int, default=8, help="of those, kept out of the SFT")
     parser.add_argument("--batch", type=int, default=16)
