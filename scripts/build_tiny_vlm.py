@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--vision-depth", type=int, default=2, help="vision tower layers")
+    parser.add_argument("--vision-width", type=int, default=32, help="vision tower width")
     parser.add_argument("--pixel-std", type=float, default=0.5, help="processor pixel std (mean 0: black is 0)")
     parser.add_argument("--train-per-kind", type=int, default=240, help="shipped train items per kind")
     parser.add_argument("--heldout-per-kind", type=int, default=80, help="shipped held-out items per kind")
@@ -185,7 +187,8 @@ def main() -> None:
         train = [s for i, s in enumerate(samples) if i not in held]
         monitor = [s for i, s in enumerate(samples) if i in held]
         build_tiny_vlm("qwen2_vl", Path(tmp) / "init", args.seed, hidden_size=args.hidden_size,
-                       num_layers=args.num_layers, corpus=corpus(train, cfg), tags=TAGS, pixel_mean=(0.0,) * 3,
+                       num_layers=args.num_layers, vision_depth=args.vision_depth,
+                       vision_width=args.vision_width, corpus=corpus(train, cfg), tags=TAGS, pixel_mean=(0.0,) * 3,
                        pixel_std=(args.pixel_std,) * 3)
         vlm = VLMModel(VLMModelConfig(path=str(Path(tmp) / "init"), freeze_vision=False))
         log = sft(vlm, encode(vlm, train, cfg), targets(vlm, train), encode(vlm, monitor, cfg), monitor, cfg, args)
