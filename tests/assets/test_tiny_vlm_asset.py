@@ -58,3 +58,21 @@ def test_greedy_heldout_completions_have_the_think_answer_format():
         texts += generate_group(vlm, inputs, 1, greedy).texts
     batch = RewardBatch(prompts=[""] * len(texts), group=torch.arange(len(texts)), completions=texts)
     assert FormatReward()(batch).tolist() == [1.0, 1.0], texts
+
+
+def test_grpo_raises_sampled_accuracy_on_fixed_questions(tmp_path):
+    """The demo preset's GRPO on 8 fixed training questions: sampled accuracy must rise (measured: 0.41 over steps
+    1-15, 0.61 over steps 36-50), i.e. the loss pushes the policy towards rewarded answers."""
+    from mmgrpo.trainer import Trainer
+
+    lines = (ROOT / "assets/data/shapes_qa/train.jsonl").read_text().splitlines()[:8]
+    (tmp_path / "eight.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = load_config(PRESET,
+                      [f"output_dir={tmp_path / 'run'}", f"data.train_file={tmp_path / 'eight.jsonl'}",
+                       "train.max_steps=50", "train.save_every=1000", "data.num_eval=8", "logging.progress=false"])
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    trainer.close()
+    accuracy = [row["reward/accuracy/mean"] for row in history]
+    first, last = sum(accuracy[:15]) / 15, sum(accuracy[-15:]) / 15
+    assert last > first + 0.08, (first, last)
