@@ -134,8 +134,7 @@ def tiny_config(kind: str, token_ids: dict[str, int], vocab_size: int, hidden_si
            "vision_start_token_id": token_ids["<|vision_start|>"], "vision_end_token_id": token_ids["<|vision_end|>"]}
     if kind == "qwen2_vl":
         vision = {"depth": vision_depth, "embed_dim": vision_width, "hidden_size": hidden_size, "num_heads": 2,
-                  "mlp_ratio": 2,
-                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+                  "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
         return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     vision = {"depth": vision_depth, "hidden_size": vision_width, "intermediate_size": 2 * vision_width, "num_heads": 2,
               "out_hidden_size": hidden_size, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
