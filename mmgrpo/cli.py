@@ -131,7 +131,7 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mmgrpo.demo import DEMOS, missing_parts, run_demo
+    from mmgrpo.demo import DEMOS, in_repo, missing_parts, run_demo
 
     missing = missing_parts(args.which)
     if missing:
@@ -140,7 +140,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(DEMO_PLAN.format(which=args.which, preset=spec.preset, asset=spec.asset, out=out,
                                missing=", ".join(missing)), file=sys.stderr)
         return 1
-    run_demo(args.which, args.output_dir, args.minutes)
+    out = Path(args.output_dir or f"runs/demo-{args.which}").resolve()  # relative to where the user is
+    with in_repo():
+        run_demo(args.which, str(out), args.minutes)
     return 0
 
 

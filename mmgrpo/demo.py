@@ -14,10 +14,13 @@ Honesty rules:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,18 @@ DEMOS = {
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
                     samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=9.0),
 }
+
+
+@contextlib.contextmanager
+def in_repo() -> Iterator[None]:
+    """Run the body with the repository root as working directory: the presets name their assets and data by
+    paths relative to it, and the trainer reads media lazily, so the whole run stays inside."""
+    previous = os.getcwd()
+    os.chdir(REPO)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
 
 
 def missing_parts(which: str) -> list[str]:

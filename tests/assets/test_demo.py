@@ -51,3 +51,14 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| accuracy |" in report and (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
+
+
+def test_demo_command_runs_from_any_directory(small_demo, tmp_path, monkeypatch):
+    """The presets name assets by repository-relative paths; the command must not depend on the caller's
+    directory, and a relative --output-dir is relative to it."""
+    from mmgrpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "vlm", "--minutes", "0", "--output-dir", "out"]) == 0
+    assert json.loads((tmp_path / "out" / "demo.json").read_text())["metric"] == "accuracy"
+    assert (tmp_path / "out" / "report.md").is_file() and not (demo.REPO / "out").exists()
