@@ -30,7 +30,7 @@ MARKS = 8
 TEMPORAL_BONUS = {"name": "temporal_bonus", "weight": 1.0, "args": {"alpha": 0.3, "mu": 0.8}}
 
 VARIANTS: dict[str, tuple[str, list[str]]] = {
-    "flow_grpo": ("flow", ["mode.name=flow_grpo", "mode.train_fraction=0.6"]),
+    "flow_grpo": ("flow", ["mode.name=flow_grpo"]),
     "dance_grpo": ("flow", ["mode.name=dance_grpo", "mode.train_fraction=0.6"]),
     "mixgrpo": ("flow", []),
     "mixgrpo_flash": ("flow", ["mode.name=mixgrpo_flash"]),
@@ -40,7 +40,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "vlm_tgrpo": ("vlm", ["tgrpo.enabled=true"]),
 }
 """variant -> (demo, overrides of the demo preset). Every flow variant keeps the demo's rewards, group, lr and
-shared initial noise; only the rollout mode changes. vlm_tgrpo also adds the temporal bonus reward."""
+shared initial noise; only the rollout mode changes, each with its published defaults (Flow-GRPO trains the first
+90% of the steps, DanceGRPO a random 60% per sample). vlm_tgrpo also adds the temporal bonus reward."""
 
 
 def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, Any]:
@@ -94,9 +95,11 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float:
 
 def learning(variants: tuple[str, ...] = tuple(VARIANTS)) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Every variant in turn; see the module notes for the figures."""
+    from mmgrpo.demo import in_repo
+
     rows = []
     for name in variants:
-        with tempfile.TemporaryDirectory(prefix=f"mmgrpo-learning-{name}-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=f"mmgrpo-learning-{name}-") as tmp, in_repo():
             torch.manual_seed(0)
             rows.append(run_variant(name, tmp, BUDGET_MINUTES[VARIANTS[name][0]]))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)
