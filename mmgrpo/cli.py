@@ -133,14 +133,14 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from mmgrpo.demo import DEMOS, in_repo, missing_parts, run_demo
 
+    out = args.output_dir or f"runs/demo-{args.which}"  # relative to where the user is
     missing = missing_parts(args.which)
     if missing:
         spec = DEMOS[args.which]
-        out = args.output_dir or f"runs/demo-{args.which}"
         print(DEMO_PLAN.format(which=args.which, preset=spec.preset, asset=spec.asset, out=out,
                                missing=", ".join(missing)), file=sys.stderr)
         return 1
-    out = Path(args.output_dir or f"runs/demo-{args.which}").resolve()  # relative to where the user is
+    out = Path(out).resolve()
     with in_repo():
         run_demo(args.which, str(out), args.minutes)
     return 0
