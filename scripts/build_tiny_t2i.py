@@ -34,7 +34,7 @@ fresh renders, and replaces it:
         --high-noise-frac 0.5 --layout-weight 1.0 --eval-every 150
 
 Either direction option alone left the direction at chance within 900-1200 steps of the third run (the layout head
-fits in 500 steps, but the transformer does not use it until the high-noise steps are trained); together they
+fits within 900 steps, but the transformer does not use it until the high-noise steps are trained); together they
 take it from 0.39 to 0.96 of the relation samples in 1200 steps.
 """
 
