@@ -312,8 +312,11 @@ def train_flow(latents: torch.Tensor, prompts: list[str], vae: AutoencoderKL, to
             models[key].load_state_dict(state)
         log(f"flow: initialised from {args.init}", logfile)
     ema = {k: copy.deepcopy(m).eval().requires_grad_(False) for k, m in models.items()}
-    head = torch.nn.Linear(models["transformer"].config.pooled_projection_dim, sum(LAYOUT_CLASSES))
-    params = [p for m in models.values() for p in m.parameters()] + list(head.parameters())
+    params = [p for m in models.values() for p in m.parameters()]
+    head = None
+    if args.layout_weight > 0:
+        head = torch.nn.Linear(models["transformer"].config.pooled_projection_dim, sum(LAYOUT_CLASSES))
+        params += list(head.parameters())
     log(f"flow: transformer {sum(p.numel() for p in models['transformer'].parameters()) / 1e6:.2f}M params, "
         f"text encoders {sum(p.numel() for k in models if k != 'transformer' for p in models[k].parameters()) / 1e6:.2f}M",
         logfile)
@@ -340,7 +343,7 @@ def train_flow(latents: torch.Tensor, prompts: list[str], vae: AutoencoderKL, to
         pred = models["transformer"](hidden_states=(1 - s) * x0 + s * noise, encoder_hidden_states=emb,
                                      pooled_projections=pooled, timestep=sigma * 1000).sample
         flow_loss = F.mse_loss(pred, noise - x0)
-        aux_loss = layout_loss(head, pooled, torch.where(drop, -100, labels[idx]))
+        aux_loss = torch.zeros(()) if head is None else layout_loss(head, pooled, torch.where(drop, -100, labels[idx]))
         loss = flow_loss + args.layout_weight * aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -445,14 +448,13 @@ def main() -> None:
         log(f"rendered {len(images)} images", logfile)
         if args.vae_from is not None:
             vae = AutoencoderKL.from_pretrained(args.vae_from, subfolder="vae", dtype=torch.float32).eval()
-            raw = encode_latents(vae, images)
-            vae_config = {k: vae.config[k] for k in ("shift_factor", "scaling_factor")}
             log(f"vae: loaded from {args.vae_from}", logfile)
         else:
             vae = train_vae(images, args, logfile)
-            raw = encode_latents(vae, images)
-            vae_config = {"shift_factor": raw.mean().item(), "scaling_factor": 1 / raw.std().item()}
-            vae.register_to_config(**vae_config)
+        raw = encode_latents(vae, images)
+        if args.vae_from is None:
+            vae.register_to_config(shift_factor=raw.mean().item(), scaling_factor=1 / raw.std().item())
+        vae_config = {k: vae.config[k] for k in ("shift_factor", "scaling_factor")}
         test = TASK.items("heldout")[:128]
         originals = torch.from_numpy(np.stack([TASK.render(s, 10**6 + i) for i, s in enumerate(test)]))
         with torch.no_grad():
