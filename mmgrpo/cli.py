@@ -59,7 +59,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     policy = _policy_and_weights(cfg)
     _, eval_items = policy.datasets()
     batch = policy.generate(eval_items)
-    _main, logged, _ = RewardZoo(cfg.rewards)(batch)
+    zoo = RewardZoo(cfg.rewards)
+    _main, logged, _ = zoo(batch, only=zoo.evaluation_names)
     result = {"num_samples": len(batch), "rewards": {k: v.nanmean().item() for k, v in logged.items()},
               "checkpoint": cfg.resume}
     out = Path(cfg.output_dir)

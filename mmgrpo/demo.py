@@ -87,7 +87,7 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
     expanded = [{**it, "seed": s} for it in items for s in range(spec.samples_per_prompt)]
     with torch.no_grad():
         batch = policy.generate(expanded)
-    _, logged, _ = zoo(batch)
+    _, logged, _ = zoo(batch, only=zoo.evaluation_names)
     metrics = {name: scores.nanmean().item() for name, scores in logged.items()}
     if flow:
         from mmgrpo.registry import TASKS

@@ -285,7 +285,7 @@ class Trainer:
         items = self.eval_items[acc.process_index::acc.num_processes]
         with self.ema.swapped_in() if self.ema is not None else nullcontext(), acc.autocast():
             batch = self.policy.generate(items)
-        _, logged, _ = self.rewards(batch)
+        _, logged, _ = self.rewards(batch, only=self.rewards.evaluation_names)
         if acc.is_main_process:
             self.policy.save_samples(batch, self.run_dir / "samples", f"step-{self.step}")
         means = {}

@@ -76,11 +76,13 @@ class Reward:
     """Base class for rewards that hold state (a loaded model). Load once in ``__init__``; score in ``__call__``.
 
     Subclasses set ``kind`` (pointwise: each sample alone; groupwise: sees whole groups) and ``modality``
-    (image, video, text or any).
+    (image, video, text or any). ``rollout_only`` marks a reward that reads what only a training rollout adds to
+    the samples (T-GRPO's shuffled-frame accuracy); held-out evaluation leaves it out.
     """
 
     kind: str = POINTWISE
     modality: str = "any"
+    rollout_only: bool = False
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError

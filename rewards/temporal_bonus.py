@@ -72,6 +72,7 @@ class TemporalBonus(Reward):
 
     kind = GROUPWISE
     modality = "text"
+    rollout_only = True
 
     def __init__(self, alpha: float = 0.3, mu: float = 0.8, threshold: float = 0.1,
                  accuracy_args: dict[str, Any] | None = None):

@@ -151,6 +151,8 @@ class RewardZoo:
             self.slots.append(_Slot(spec.name, build_reward(spec.name, reward_args, device), device, clip,
                                     standardize))
         self.rewards = [slot.reward for slot in self.slots]
+        self.evaluation_names = [slot.name for slot in self.slots if not getattr(slot.reward, "rollout_only", False)]
+        """The rewards held-out evaluation scores: all but the ``rollout_only`` ones."""
         self.max_workers = max_workers or len(self.slots)
         self.nan_counts = dict.fromkeys(self.names, 0)
         self._warned: set[str] = set()

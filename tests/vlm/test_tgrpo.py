@@ -1,6 +1,7 @@
 """T-GRPO: the per-group temporal bonus (closed forms) and the reward that applies it."""
 
 import math
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -91,6 +92,21 @@ def test_reward_reads_meta_and_scores_accuracy_per_group():
     # through the zoo a NaN bonus leaves the accuracy alone in the weighted sum
     assert main[:, 1].tolist()[:3] == pytest.approx([0.3, 0.3, 0.0])
     assert logged["temporal_bonus"].isnan().sum() == 3
+
+
+def test_evaluation_leaves_the_bonus_out_without_a_warning():
+    """Held-out samples have no shuffled rollouts: evaluation scores the other rewards and warns about nothing."""
+    zoo = RewardZoo([RewardSpec(name="accuracy"), RewardSpec(name="temporal_bonus")])
+    assert zoo.evaluation_names == ["accuracy"]
+    meta = {"problem_type": "multiple choice", "solution": "<answer>B</answer>"}
+    batch = RewardBatch(prompts=["q"] * 2, group=torch.tensor([0, 1]), completions=[answer("B"), answer("A")],
+                        meta=[meta] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, logged, _ = zoo(batch, only=zoo.evaluation_names)
+    assert set(logged) == {"accuracy"} and logged["accuracy"].tolist() == [1.0, 0.0]
+    with pytest.warns(RuntimeWarning, match="temporal_bonus"):  # scored anyway, it does not apply
+        zoo(batch)
 
 
 def test_reward_rejects_bad_args():
