@@ -35,6 +35,9 @@ class Rollout:
       rows in ``train.micro_batch_size`` chunks, then ``unit_chunks``); the trainer then takes ``old_logp`` from
       ``log_probs``: for the rows of the first update from that update's own forward, for the rows of later updates
       (:func:`rows_after_first_update`) from a no-grad pass before it, and logs how far the sampling log-probs were.
+    - ``weights_updated``: set by the trainer after its first optimiser step on this rollout. Until then the
+      weights are the ones that sampled it, so a policy may reuse no-grad forwards it kept from sampling (the flow
+      policy's unconditional CFG velocities) instead of running them again.
     """
 
     group: torch.Tensor
@@ -46,6 +49,7 @@ class Rollout:
     counters: dict[str, float] = field(default_factory=dict)
     sample_mask: torch.Tensor | None = None
     recompute_old_logp: bool = False
+    weights_updated: bool = False
 
     def __post_init__(self) -> None:
         self.old_logp = self.old_logp.detach().float()

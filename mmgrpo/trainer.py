@@ -255,6 +255,7 @@ class Trainer:
                 if cfg.optim.max_grad_norm > 0:
                     grad_norm = acc.clip_grad_norm_(self.policy.trainable_parameters(), cfg.optim.max_grad_norm)
                 self.optimizer.step()
+                rollout.weights_updated = True
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.ema is not None:

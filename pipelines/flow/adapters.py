@@ -186,6 +186,11 @@ def _probe_backend(backend: str, device: torch.device, dtype: torch.dtype) -> st
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def guide(v_cond: Tensor, v_uncond: Tensor, guidance_scale: float) -> Tensor:
+    """Classifier-free guidance: ``v_u + guidance_scale * (v_c - v_u)``, fp32 in, fp32 out."""
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
 class FlowAdapter:
     """A diffusers flow-matching pipeline made trainable, with GRPO's view of it.
 
@@ -413,40 +418,71 @@ class FlowAdapter:
         """One transformer forward: x in the model dtype, returns the raw prediction."""
         raise NotImplementedError
 
+    def _model_inputs(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds,
+                      guidance_scale: float) -> tuple[Tensor, Tensor, bool]:
+        """(latents in the model dtype, timesteps (n,), whether CFG applies), with the shapes checked."""
+        n = latents.shape[0]
+        if len(embeds) != n:
+            raise ValueError(f"velocity: {n} latent rows but {len(embeds)} prompt-embedding rows")
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1).expand(n)
+        cfg = self.uses_cfg(guidance_scale)
+        if cfg and embeds.uncond is None:
+            raise ValueError(f"guidance_scale {guidance_scale} needs unconditional embeddings: encode the prompts "
+                             "with the same guidance_scale")
+        return latents.to(self.dtype), self.timestep(sigma), cfg
+
+    @torch.no_grad()
+    def unconditional_velocity(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float,
+                               transformer: nn.Module | None = None) -> Tensor | None:
+        """The unconditional forward of :meth:`velocity` alone, (n, ...) fp32, no grad; None without CFG. Pass it
+        back as ``velocity(..., uncond=...)`` to get the guided velocity without running it again."""
+        x, t, cfg = self._model_inputs(latents, sigma, embeds, guidance_scale)
+        if not cfg:
+            return None
+        model = self.transformer if transformer is None else transformer
+        return self._forward(model, x, t, embeds.uncond, guidance_scale).float()
+
+    @torch.no_grad()
+    def fused_cfg_velocities(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float,
+                             transformer: nn.Module | None = None) -> tuple[Tensor, Tensor]:
+        """(conditional, unconditional) velocities (n, ...) fp32 from ONE no-grad forward of 2n rows [cond;
+        uncond]. Needs CFG."""
+        x, t, cfg = self._model_inputs(latents, sigma, embeds, guidance_scale)
+        if not cfg:
+            raise ValueError(f"fused_cfg_velocities needs classifier-free guidance; guidance_scale {guidance_scale} "
+                             "does not use it with this model")
+        model = self.transformer if transformer is None else transformer
+        both = {k: torch.cat([embeds.cond[k], embeds.uncond[k]]) for k in embeds.cond}
+        v_cond, v_uncond = self._forward(model, x.repeat(2, *[1] * (x.dim() - 1)), t.repeat(2), both,
+                                         guidance_scale).float().chunk(2)
+        return v_cond, v_uncond
+
     def velocity(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float,
-                 transformer: nn.Module | None = None, fused_cfg: bool = False) -> Tensor:
+                 transformer: nn.Module | None = None, fused_cfg: bool = False,
+                 uncond: Tensor | None = None) -> Tensor:
         """The velocity v (n, ...) fp32 at ``latents`` (n, ...) and noise levels ``sigma`` (n,) in [0, 1].
 
         ``transformer`` defaults to :attr:`transformer`; pass the DDP/FSDP-wrapped module in training so gradients
         synchronise. With CFG, the conditional forward runs in the ambient grad mode and the unconditional one,
         a separate forward over the same n rows, always under ``torch.no_grad()``; then
-        ``v = v_u + guidance_scale * (v_c - v_u)`` in fp32. ``fused_cfg`` instead runs both as one forward of 2n
-        rows [cond; uncond] (no grad only): fewer calls, but a result that differs from the split form by float
-        rounding, so never for a velocity whose log-prob training replays. Latents are cast to the model dtype."""
+        ``v = v_u + guidance_scale * (v_c - v_u)`` in fp32. ``uncond`` is that unconditional velocity from
+        :meth:`unconditional_velocity` of the same weights and inputs: the forward is skipped. ``fused_cfg``
+        instead runs both as one forward of 2n rows [cond; uncond] (no grad only; :meth:`fused_cfg_velocities`):
+        fewer calls, but a result that differs from the split form by float rounding, so never for a velocity
+        whose log-prob training replays. Latents are cast to the model dtype."""
         model = self.transformer if transformer is None else transformer
-        n = latents.shape[0]
-        if len(embeds) != n:
-            raise ValueError(f"velocity: {n} latent rows but {len(embeds)} prompt-embedding rows")
-        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device).reshape(-1).expand(n)
-        x = latents.to(self.dtype)
-        t = self.timestep(sigma)
-        cfg = self.uses_cfg(guidance_scale)
-        if cfg and embeds.uncond is None:
-            raise ValueError(f"guidance_scale {guidance_scale} needs unconditional embeddings: encode the prompts "
-                             "with the same guidance_scale")
+        x, t, cfg = self._model_inputs(latents, sigma, embeds, guidance_scale)
         if cfg and fused_cfg:
             if torch.is_grad_enabled():
                 raise RuntimeError("velocity(fused_cfg=True) runs without grad; call it under torch.no_grad()")
-            both = {k: torch.cat([embeds.cond[k], embeds.uncond[k]]) for k in embeds.cond}
-            v_cond, v_uncond = self._forward(model, x.repeat(2, *[1] * (x.dim() - 1)), t.repeat(2), both,
-                                             guidance_scale).float().chunk(2)
-            return v_uncond + guidance_scale * (v_cond - v_uncond)
+            v_cond, v_uncond = self.fused_cfg_velocities(latents, sigma, embeds, guidance_scale, model)
+            return guide(v_cond, v_uncond, guidance_scale)
         v = self._forward(model, x, t, embeds.cond, guidance_scale).float()
         if not cfg:
             return v
-        with torch.no_grad():
-            v_uncond = self._forward(model, x, t, embeds.uncond, guidance_scale).float()
-        return v_uncond + guidance_scale * (v - v_uncond)
+        if uncond is None:
+            uncond = self.unconditional_velocity(latents, sigma, embeds, guidance_scale, transformer=model)
+        return guide(v, uncond, guidance_scale)
 
     @contextlib.contextmanager
     def _base_weights(self) -> Iterator[None]:

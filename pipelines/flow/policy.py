@@ -37,6 +37,7 @@ from mmgrpo.registry import MODEL_ADAPTERS, RegistryError
 from mmgrpo.rewards import RewardBatch
 
 from . import kernels, media, schedules, tree
+from .adapters import guide
 from .config import FlowConfig
 from .data import prompt_datasets
 from .modes import LinearPlan, TreePlan, build_mode, sde_kernel
@@ -114,12 +115,26 @@ class FlowPolicy(Policy):
         """Consecutive row chunks of ``train.micro_batch_size``: the trainer's first-epoch micro-batches."""
         return list(torch.arange(n).split(self.cfg.train.micro_batch_size))
 
-    def _velocity(self, x: Tensor, sigma: Tensor, embeds: Any, replayed: bool = True) -> Tensor:
+    def _velocity(self, x: Tensor, sigma: Tensor, embeds: Any, replayed: bool = True,
+                  uncond: Tensor | None = None) -> Tensor:
         """(n, ...) fp32 velocity of the trained transformer (``self.model``: the DDP-wrapped one), CFG
-        inside. ``replayed=False`` (training never recomputes this velocity) allows ``sampling.fused_cfg``."""
+        inside. ``replayed=False`` (training never recomputes this velocity) allows ``sampling.fused_cfg``;
+        ``uncond`` is the unconditional velocity of the same weights, already computed."""
         s = self.cfg.sampling
         return self.adapter.velocity(x, sigma, embeds, s.guidance_scale, transformer=self.model,
-                                     fused_cfg=s.fused_cfg and not replayed)
+                                     fused_cfg=s.fused_cfg and not replayed, uncond=uncond)
+
+    def _guided(self, x: Tensor, sigma: Tensor, embeds: Any, replayed: bool) -> tuple[Tensor, Tensor | None]:
+        """:meth:`_velocity` and its unconditional part (None without CFG), which the first update reuses. A
+        replayed velocity runs the two branches as separate forwards, as training does."""
+        s = self.cfg.sampling
+        if embeds.uncond is None:
+            return self._velocity(x, sigma, embeds, replayed), None
+        if s.fused_cfg and not replayed:
+            v_cond, uncond = self.adapter.fused_cfg_velocities(x, sigma, embeds, s.guidance_scale, self.model)
+            return guide(v_cond, uncond, s.guidance_scale), uncond
+        uncond = self.adapter.unconditional_velocity(x, sigma, embeds, s.guidance_scale, self.model)
+        return self._velocity(x, sigma, embeds, replayed, uncond=uncond), uncond
 
     def _stored(self, x: Tensor) -> Tensor:
         """``x`` round-tripped through the storage dtype: the value training will replay."""
@@ -199,7 +214,7 @@ class FlowPolicy(Policy):
             x = self._initial(n, generator)
         row_embeds = embeds.select(torch.arange(len(embeds)).repeat_interleave(group_size))
         unit_of = plan.unit_of()
-        store = self._unit_store(n, u, x)
+        store = self._unit_store(n, u, x, keep_uncond=embeds.uncond is not None)
         nfe = 0
         for i in range(plan.main_steps):
             sde = plan.sde[:, i].to(self.device)
@@ -208,7 +223,8 @@ class FlowPolicy(Policy):
             sigma_next = self.sigmas[i + 1].expand(n).to(self.device)
             nxt = torch.empty_like(x)
             for c in self._chunks(n):
-                v = self._velocity(x[c], sigma[c], row_embeds.select(c), replayed=bool((unit_of[c, i] >= 0).any()))
+                replayed = bool((unit_of[c, i] >= 0).any())
+                v, uncond = self._guided(x[c], sigma[c], row_embeds.select(c), replayed)
                 nfe += len(c)
                 nxt[c], logp, std = self._transition(x[c], v, sigma[c], sigma_next[c], sde[c],
                                                      None if noise is None else noise[c])
@@ -221,6 +237,8 @@ class FlowPolicy(Policy):
                     store["sigma_next"][rows, cols] = sigma_next[rows]
                     store["logp"][rows, cols] = logp[k]
                     store["std"][rows, cols] = std[k]
+                    if uncond is not None:
+                        store["v_uncond"][rows, cols] = uncond[k].to(self.adapter.dtype)
             x = nxt
         if plan.solver_after == "dpm2":
             x, extra = self._dpm_after(x, plan, row_embeds)
@@ -228,14 +246,19 @@ class FlowPolicy(Policy):
         store.update(embeds=row_embeds, mask=torch.ones(n, u, dtype=torch.bool, device=self.device))
         return x, store, nfe
 
-    def _unit_store(self, n: int, u: int, x: Tensor) -> dict[str, Tensor]:
-        """Empty per-unit storage for n rows x u units of latents shaped like ``x`` (., ...)."""
+    def _unit_store(self, n: int, u: int, x: Tensor, keep_uncond: bool) -> dict[str, Tensor]:
+        """Empty per-unit storage for n rows x u units of latents shaped like ``x`` (., ...). ``keep_uncond``
+        adds ``v_uncond``, the unconditional CFG velocity at each unit in the model dtype (the dtype it comes out
+        of the transformer in, so the fp32 value is kept exactly): the first update reuses it."""
         latents = {"dtype": self.latent_dtype, "device": self.device}
         floats = {"dtype": torch.float32, "device": self.device}
         shape = (n, u, *x.shape[1:])
-        return {"x": torch.zeros(shape, **latents), "x_next": torch.zeros(shape, **latents),
-                "sigma": torch.zeros(n, u, **floats), "sigma_next": torch.zeros(n, u, **floats),
-                "logp": torch.zeros(n, u, **floats), "std": torch.zeros(n, u, **floats)}
+        store = {"x": torch.zeros(shape, **latents), "x_next": torch.zeros(shape, **latents),
+                 "sigma": torch.zeros(n, u, **floats), "sigma_next": torch.zeros(n, u, **floats),
+                 "logp": torch.zeros(n, u, **floats), "std": torch.zeros(n, u, **floats)}
+        if keep_uncond:
+            store["v_uncond"] = torch.zeros(shape, dtype=self.adapter.dtype, device=self.device)
+        return store
 
     def _dpm_after(self, x: Tensor, plan: LinearPlan, embeds: Any) -> tuple[Tensor, int]:
         """MixGRPO-Flash: DPM-Solver++(2M) from the end of the SDE window to sigma = 0 on the plan's sigma
@@ -274,18 +297,26 @@ class FlowPolicy(Policy):
         depth = nfe = 0
         for i in range(b.num_steps):
             sigma = self.sigmas[i].expand(len(x)).to(self.device)
-            v = self._chunked_velocity(x, sigma, depth_embeds[depth])
+            uncond = None
+            if i in trained:
+                parts = [self._guided(x[c], sigma[c], depth_embeds[depth].select(c), replayed=False)
+                         for c in self._chunks(len(x))]
+                v = torch.cat([v for v, _ in parts])
+                uncond = None if parts[0][1] is None else torch.cat([u for _, u in parts])
+            else:
+                v = self._chunked_velocity(x, sigma, depth_embeds[depth])
             nfe += len(x)
             if i in splits:
                 parents = torch.arange(len(x) * b.branch_factor, device=self.device) // b.branch_factor
                 x, v, depth = x[parents], v[parents], depth + 1
+                uncond = None if uncond is None else uncond[parents]
             n = len(x)
             sde = torch.full((n,), plan.sde[i], dtype=torch.bool, device=self.device)
             noise = self._noise(x, generator) if plan.sde[i] else None
             nxt, logp, std = self._transition(x, v, self.sigmas[i].expand(n).to(self.device),
                                               self.sigmas[i + 1].expand(n).to(self.device), sde, noise)
             if i in trained:
-                records[i] = (x, nxt, logp, std)
+                records[i] = (x, nxt, logp, std, uncond)
             if i in splits:
                 split_logp.append(logp.view(p, -1))
             x = nxt
@@ -298,20 +329,25 @@ class FlowPolicy(Policy):
         transition of its ancestor at the unit's depth; only that node's first leaf has it in ``mask``."""
         b = plan.branch
         p = len(leaf_embeds) // b.num_leaves
-        cols = {"x": [], "x_next": [], "logp": [], "std": [], "sigma": [], "sigma_next": []}
+        cols = {"x": [], "x_next": [], "logp": [], "std": [], "sigma": [], "sigma_next": [], "v_uncond": []}
         for step, depth in zip(plan.train_steps, plan.unit_depths()):
-            x, nxt, logp, std = records[step]
+            x, nxt, logp, std, uncond = records[step]
             node = (torch.arange(p)[:, None] * b.branch_factor**depth + plan.ancestor(depth)).flatten()
             node = node.to(self.device)
             cols["x"].append(x[node].to(self.latent_dtype))
             cols["x_next"].append(nxt[node].to(self.latent_dtype))
             cols["logp"].append(logp[node])
             cols["std"].append(std[node])
+            if uncond is not None:
+                cols["v_uncond"].append(uncond[node].to(self.adapter.dtype))
             cols["sigma"].append(self.sigmas[step].expand(len(node)).to(self.device))
             cols["sigma_next"].append(self.sigmas[step + 1].expand(len(node)).to(self.device))
         n = p * b.num_leaves
         empty = torch.zeros(n, 0, device=self.device)
+        uncond = cols.pop("v_uncond")
         data = {k: torch.stack(v, dim=1) if v else empty for k, v in cols.items()}
+        if uncond:
+            data["v_uncond"] = torch.stack(uncond, dim=1)
         data["mask"] = plan.owners().repeat(p, 1).to(self.device)
         data["embeds"] = leaf_embeds
         return data
@@ -337,14 +373,17 @@ class FlowPolicy(Policy):
             trained = int(rollout.mask.sum())
             sde_steps = plan.sde.sum(dim=1).float().mean().item()
         epochs, kl = self.cfg.train.num_inner_epochs, int(self.cfg.grpo.kl_beta > 0)
-        recompute = 0
+        t = self.cfg.train
+        later = rows_after_first_update(n, t.micro_batch_size, t.updates_per_rollout)
+        kept = "v_uncond" in rollout.data  # before any update, the rollout's unconditional forwards are reused
+        recompute = reused = 0
         if rollout.recompute_old_logp:  # only rows of later updates need a separate pass (see Rollout)
-            t = self.cfg.train
-            later = rows_after_first_update(n, t.micro_batch_size, t.updates_per_rollout)
-            recompute = int(rollout.mask[n - later:].sum()) * cfg_factor
+            recompute = int(rollout.mask[n - later:].sum()) * (cfg_factor - kept)
+        if kept:  # trained transitions of the first update's rows (a tree prunes later: its share of ``trained``)
+            reused = round(trained * int(rollout.mask[:n - later].sum()) / max(int(rollout.mask.sum()), 1))
         return {
             "nfe/rollout": float(nfe * cfg_factor),
-            "nfe/train": float(trained * cfg_factor * (1 + kl) * epochs + recompute),
+            "nfe/train": float(trained * cfg_factor * (1 + kl) * epochs + recompute - reused),
             "nfe/train_grad": float(trained * epochs),
             "nfe/recompute": float(recompute),
             "steps/sde": float(sde_steps),
@@ -391,19 +430,21 @@ class FlowPolicy(Policy):
             active = torch.zeros_like(active)
             active[0, 0] = True
         r, u = active.nonzero(as_tuple=True)
-        logp, kl = self._log_prob(rollout.data, rows[r], units[u], with_kl)
+        logp, kl = self._log_prob(rollout.data, rows[r], units[u], with_kl, not rollout.weights_updated)
         out = torch.zeros(active.shape, device=self.device)
         kl = None if kl is None else out.index_put((r, u), kl)
         return LogProbs(logp=out.index_put((r, u), logp), kl=kl)
 
-    def _log_prob(self, data: dict[str, Any], rows: Tensor, units: Tensor,
-                  with_kl: bool) -> tuple[Tensor, Tensor | None]:
+    def _log_prob(self, data: dict[str, Any], rows: Tensor, units: Tensor, with_kl: bool,
+                  sampling_weights: bool) -> tuple[Tensor, Tensor | None]:
         """(log-prob, KL to the reference or None) of the stored transitions (rows[i], units[i]), each (m,)
-        fp32."""
+        fp32. ``sampling_weights``: the weights have not changed since the rollout, so its stored unconditional
+        velocities are this forward's (the rollout computed them on the same rows) and are reused."""
         x, nxt = data["x"][rows, units].float(), data["x_next"][rows, units].float()
         sigma, sigma_next = data["sigma"][rows, units], data["sigma_next"][rows, units]
         embeds = data["embeds"].select(rows.cpu())
-        out = self.kernel(x, self._velocity(x, sigma, embeds), sigma, sigma_next, prev_sample=nxt)
+        uncond = data["v_uncond"][rows, units].float() if sampling_weights and "v_uncond" in data else None
+        out = self.kernel(x, self._velocity(x, sigma, embeds, uncond=uncond), sigma, sigma_next, prev_sample=nxt)
         if not with_kl:
             return out.log_prob, None
         with torch.no_grad():

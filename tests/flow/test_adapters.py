@@ -210,6 +210,25 @@ def test_cfg_is_the_manual_combination_and_the_unconditional_branch_carries_no_g
 
 
 @pytest.mark.parametrize("kind", ["sd3", "wan"])
+def test_a_kept_unconditional_velocity_gives_the_same_guided_velocity_in_one_forward(kind, adapter_of):
+    ad, g = adapter_of(kind), GUIDANCE[kind]
+    x, sigma = inputs(ad, 3)
+    e = ad.encode(["kept one", "kept two", "kept one"], "kept negative", g)
+    with perturbed(ad):
+        uncond = ad.unconditional_velocity(x, sigma, e, g)
+        assert not uncond.requires_grad
+        forwards = []
+        hook = ad.transformer.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            v = ad.velocity(x, sigma, e, g, uncond=uncond)
+        finally:
+            hook.remove()
+        assert len(forwards) == 1 and v.requires_grad
+        assert torch.equal(v, ad.velocity(x, sigma, e, g))
+    assert ad.unconditional_velocity(x, sigma, PromptEmbeds(e.cond), 1.0) is None  # no CFG
+
+
+@pytest.mark.parametrize("kind", ["sd3", "wan"])
 def test_fused_cfg_is_one_forward_of_both_branches_and_refuses_grad(kind, adapter_of):
     ad, g = adapter_of(kind), GUIDANCE[kind]
     x, sigma = inputs(ad, 3)

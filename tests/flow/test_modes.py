@@ -148,28 +148,23 @@ def branch_policy(one_thread):
 
 @pytest.fixture(scope="module")
 def branch_rollout(branch_policy):
-    """A tree rollout of 2 prompts x 4 leaves, and the number of rows of every velocity call it made."""
+    """A tree rollout of 2 prompts x 4 leaves, and the number of rows of every transformer call it made."""
     calls = []
-    velocity = branch_policy.adapter.velocity
-
-    def counted(latents, *args, **kwargs):
-        calls.append(len(latents))
-        return velocity(latents, *args, **kwargs)
-
-    branch_policy.adapter.velocity = counted
+    hook = branch_policy.adapter.transformer.register_forward_hook(
+        lambda _m, _args, kwargs, _out: calls.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
     try:
         items = [{"prompt": "a red circle", "target_rgb": [255, 0, 0]},
                  {"prompt": "a blue cube", "target_rgb": [0, 0, 255]}]
         return branch_policy.rollout(items, [0, 1], 4), calls
     finally:
-        del branch_policy.adapter.velocity
+        hook.remove()
 
 
 def test_tree_rollout_shares_prefixes_with_one_batched_forward_per_step(branch_rollout):
     rollout, calls = branch_rollout
     # splits at steps 1 and 2: 1, 1, 2, 4 input nodes per prompt at steps 0..3, one call per step for both
-    # prompts
-    assert calls == [2, 2, 4, 8]
+    # prompts, [cond; uncond] in one forward
+    assert calls == [4, 4, 8, 16]
     assert rollout.counters["nfe/rollout"] == 2 * 16  # a CFG pair counts 2; 8 chains would take 2 * 8 * 4
     assert len(rollout) == 8 and rollout.reward_batch.images.shape == (8, 3, 32, 32)
     # units are steps 1..3 (the root's step 0 carries no advantage); one owner leaf per node

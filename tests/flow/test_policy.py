@@ -19,6 +19,7 @@ SMALL = ["sampling.num_steps=4", "sampling.eval_num_steps=3", "train.group_size=
 
 MODES = {  # flow_grpo and mixgrpo are also trained below (KL and checkpoint tests), and checked there
     "flow_grpo_bf16_latents": ("tiny_flowgrpo", ["sampling.latent_dtype=bfloat16"]),
+    "flow_grpo_two_updates": ("tiny_flowgrpo", ["train.updates_per_rollout=2"]),
     "dance_grpo": ("tiny_dancegrpo", []),
     "mixgrpo_flash": ("tiny_mixgrpo_flash", ["mode.window_size=1"]),
     "fast": ("tiny_flowgrpo", ["mode.name=fast", "mode.window_size=2"]),
@@ -104,8 +105,28 @@ def test_kl_is_zero_at_init_then_positive_and_counters_add_up(adapter, tmp_path)
     assert rows[0]["ratio/onpolicy_max_dev"] <= 1e-6
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-12)
     assert rows[1]["kl"] > 0
-    # 4 samples x 4 steps x 2 (CFG); 3 trained steps x 4 samples x 2 (CFG) x (policy + reference)
-    assert rows[0]["nfe/rollout"] == 32 and rows[0]["nfe/train"] == 48 and rows[0]["nfe/train_grad"] == 12
+    # 4 samples x 4 steps x 2 (CFG); 3 trained steps x 4 samples x (policy cond + reference cond and uncond): the
+    # policy's unconditional velocities come from the rollout, whose weights the single update still has
+    assert rows[0]["nfe/rollout"] == 32 and rows[0]["nfe/train"] == 36 and rows[0]["nfe/train_grad"] == 12
+
+
+@pytest.mark.parametrize("preset", ["tiny_flowgrpo", "tiny_dancegrpo"])
+@pytest.mark.parametrize("updates", [1, 2])
+def test_nfe_counters_are_the_rows_the_transformer_ran(preset, updates, adapter, tmp_path):
+    """Chains. The first update reuses the rollout's unconditional forwards; with two updates the second one's
+    rows run theirs again (the weights have moved)."""
+    cfg = config(preset, tmp_path, f"train.updates_per_rollout={updates}", f"train.max_steps={updates}")
+    ran = []
+    hook = adapter.transformer.register_forward_hook(
+        lambda _m, _args, kwargs, _out: ran.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+    try:
+        _, rows = train(cfg, adapter)
+    finally:
+        hook.remove()
+    assert len(rows) == updates
+    assert sum(ran) == rows[0]["nfe/rollout"] + rows[0]["nfe/train"]
+    if preset == "tiny_flowgrpo":  # 4 samples x 4 steps x CFG; 12 trained steps x (2 + 2 for KL) - reused
+        assert sum(ran) == 32 + 48 - 12 // updates
 
 
 def test_checkpoint_round_trip_keeps_weights_and_window_position(adapter, tmp_path, monkeypatch):
