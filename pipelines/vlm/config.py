@@ -91,7 +91,9 @@ class VLMGenerationConfig:
     max_new_tokens: int = 256
     """Token limit per completion; completions that hit it are flagged as truncated."""
     temperature: float = 1.0
-    """Sampling temperature."""
+    """Sampling temperature of rollouts. Training scores the samples at the same temperature (policy, old and
+    reference log-probs all use ``logits / temperature``, as TRL does), so the ratio and KL are those of the
+    distribution sampled from. top_k and top_p truncate sampling only."""
     top_p: float = 1.0
     """Nucleus sampling threshold (1 disables)."""
     top_k: int = 0

@@ -31,8 +31,8 @@ class Completions:
     - ``mask``: (G,L) bool, the real tokens, including the EOS token when one was produced.
     - ``truncated``: (G,) bool, hit ``max_new_tokens`` without EOS.
     - ``texts``: decoded, special tokens stripped.
-    - ``logprobs``: (G,L) fp32 log-probs of the sampled tokens under the model (temperature 1, no suppression)
-      from the incremental KV-cache path, 0 where masked. For diagnostics only: these differ slightly from a full
+    - ``logprobs``: (G,L) fp32 log-probs of the sampled tokens under the model at the sampling temperature (1 when
+      greedy; no suppression, top-k or top-p) from the incremental KV-cache path, 0 where masked. For diagnostics only: these differ slightly from a full
       forward, so the old log-probs for training come from ``token_logprobs``.
     """
 
@@ -147,7 +147,7 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
     for t in range(limit):
         token = sample_tokens(logits, suppress, cfg, generator)
         tokens[alive, t] = token
-        logps[alive, t] = gather_logprobs(logits, token)
+        logps[alive, t] = gather_logprobs(logits, token, cfg.temperature if cfg.temperature > 0 else 1.0)
         lengths[alive] = t + 1
         done = torch.isin(token, eos)
         if done.any():

@@ -59,19 +59,23 @@ def check_prompt(model: nn.Module, inputs: dict[str, torch.Tensor], index: int) 
                              "log-probs must be computed with the pixel inputs")
 
 
-def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """fp32 ``log_softmax(logits)[target]``, outside any autocast. logits (..., V), targets (...) -> (...)."""
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 ``log_softmax(logits / temperature)[target]``, outside any autocast. logits (..., V), targets (...) ->
+    (...)."""
     with torch.autocast(logits.device.type, enabled=False):
-        logits = logits.float()
+        logits = logits.float() / temperature
         return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def token_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], completion_ids: torch.Tensor,
-                   completion_mask: torch.Tensor, prompt_index: torch.Tensor, prefix_grouper: bool) -> torch.Tensor:
+                   completion_mask: torch.Tensor, prompt_index: torch.Tensor, prefix_grouper: bool,
+                   temperature: float = 1.0) -> torch.Tensor:
     """(n,L) fp32 log-probs of ``completion_ids`` (n,L) int64 where ``completion_mask`` (n,L) bool marks the real
     tokens (a prefix of each row); row i continues ``prompts[prompt_index[i]]`` (batch-1 inputs from
     ``VLMModel.prompt_inputs``). Masked positions are 0. ``model`` is called once, as given (DDP, PEFT, or the
-    adapter-disabled reference)."""
+    adapter-disabled reference). ``temperature`` (> 0) divides the logits: the distribution sampled from."""
+    if temperature <= 0:
+        raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
     n, length = completion_ids.shape
     mask = completion_mask.bool()
     if prompt_index.shape != (n,) or mask.shape != (n, length):
@@ -82,11 +86,11 @@ def token_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], com
     for j in prompt_index.unique().tolist():
         check_prompt(model, prompts[j], j)
     forward = packed_logprobs if prefix_grouper else standard_logprobs
-    return forward(model, prompts, completion_ids, mask, prompt_index).masked_fill(~mask, 0.0)
+    return forward(model, prompts, completion_ids, mask, prompt_index, temperature).masked_fill(~mask, 0.0)
 
 
 def standard_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], completion_ids: torch.Tensor,
-                      mask: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
+                      mask: torch.Tensor, prompt_index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """One row per completion: ``[left pad; prompt; completion; right pad]``, the vision inputs repeated per row."""
     n, length = completion_ids.shape
     device = completion_ids.device
@@ -110,11 +114,11 @@ def standard_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], 
     logits = model(input_ids=ids, attention_mask=attention, position_ids=pos if lead == 3 else pos[0],
                    use_cache=False, logits_to_keep=length + 1,
                    **vision_inputs([prompts[j] for j in rows])).logits
-    return gather_logprobs(logits[:, :-1], completion_ids)
+    return gather_logprobs(logits[:, :-1], completion_ids, temperature)
 
 
 def packed_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], completion_ids: torch.Tensor,
-                    mask: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
+                    mask: torch.Tensor, prompt_index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Prefix Grouper: one sequence ``[prompt_a; its completions' real tokens; prompt_b; ...]`` in one forward."""
     attention = unwrap(model).config._attn_implementation
     if attention not in ("sdpa", "eager"):
@@ -167,4 +171,4 @@ def packed_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], co
                    use_cache=False, logits_to_keep=keep,
                    **vision_inputs([prompts[j] for j in order])).logits[0]
     row_of = torch.searchsorted(keep, source.clamp(min=0))
-    return gather_logprobs(logits[row_of], completion_ids)
+    return gather_logprobs(logits[row_of], completion_ids, temperature)

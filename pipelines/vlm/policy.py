@@ -220,8 +220,9 @@ class VLMPolicy(Policy):
         used, local = index.unique(return_inverse=True)
         mask = data["mask"][rows]
         width = max(int(mask.sum(1).max()), 1)
+        temperature = self.cfg.generation.temperature or 1.0  # the distribution the rollout sampled from
         logp = token_logprobs(module, [data["prompts"][j] for j in used.tolist()], data["ids"][rows, :width],
-                              mask[:, :width], local, self.cfg.prefix_grouper)
+                              mask[:, :width], local, self.cfg.prefix_grouper, temperature)
         return torch.nn.functional.pad(logp, (0, data["ids"].shape[1] - width))
 
     def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:

@@ -99,14 +99,21 @@ def test_shared_prefill_equals_per_row_prefill(vlm, video_prompt):
     assert (a.logprobs - b.logprobs).abs().max() < 1e-5
 
 
-def test_decode_positions_match_the_full_forward(vlm, video_prompt):
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_decode_positions_match_the_full_forward(vlm, video_prompt, temperature):
     """Incremental decoding (M-RoPE positions continued from the prompt) scores the sampled tokens like one
-    forward of [prompt; completion]; a wrong position would show up as a large difference."""
-    out = generate_group(vlm, video_prompt, 3, VLMGenerationConfig(max_new_tokens=16), seeded(4))
+    forward of [prompt; completion], at the sampling temperature; a wrong position would show up as a large
+    difference."""
+    cfg = VLMGenerationConfig(max_new_tokens=16, temperature=temperature)
+    out = generate_group(vlm, video_prompt, 3, cfg, seeded(4))
+    index = torch.zeros(3, dtype=torch.long)
     with torch.no_grad():
-        full = token_logprobs(vlm.model, [video_prompt], out.ids, out.mask, torch.zeros(3, dtype=torch.long), False)
+        full = token_logprobs(vlm.model, [video_prompt], out.ids, out.mask, index, False, temperature)
+        at_one = token_logprobs(vlm.model, [video_prompt], out.ids, out.mask, index, False)
     assert (full - out.logprobs).abs().max() < 1e-4
     assert (out.logprobs[~out.mask] == 0).all()
+    if temperature != 1.0:  # the same tokens scored at temperature 1 are another distribution
+        assert (at_one - out.logprobs).abs().max() > 1e-2
 
 
 def test_sampling_in_train_mode_with_gradient_checkpointing(vlm, video_prompt):

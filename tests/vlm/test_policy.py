@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,32 @@ def test_first_ratio_is_exactly_one(lora_policy, prefix_grouper):
         assert rollout.counters["tokens/train"] > 0 and rollout.counters["tokens/vision"] > 0
     finally:
         policy.cfg.prefix_grouper = True
+
+
+@pytest.mark.parametrize("prefix_grouper", [True, False])
+def test_old_logprobs_are_those_of_the_sampling_temperature(lora_policy, prefix_grouper, monkeypatch):
+    """At generation.temperature 0.6 the trainer's log-probs equal the sampler's (logits / 0.6), not the
+    temperature-1 ones, so the ratio and KL are of the distribution actually sampled from."""
+    import mmgrpo.pipelines.vlm.policy as policy_module
+
+    sampled = []
+    generate = policy_module.generate_group
+    monkeypatch.setattr(policy_module, "generate_group",
+                        lambda *args, **kwargs: sampled.append(generate(*args, **kwargs)) or sampled[-1])
+    policy = lora_policy
+    monkeypatch.setattr(policy.cfg, "prefix_grouper", prefix_grouper)
+    monkeypatch.setattr(policy.cfg, "generation", replace(policy.cfg.generation, temperature=0.6))
+    rollout = rollout_of(policy, policy.train_items[:2])
+    real = rollout.data["mask"]
+    at_sampling = torch.zeros_like(rollout.old_logp)
+    row = 0
+    for out in sampled:
+        at_sampling[row:row + len(out.ids), :out.ids.shape[1]] = out.logprobs
+        row += len(out.ids)
+    assert (rollout.old_logp - at_sampling)[real].abs().max() < 1e-4
+    monkeypatch.setattr(policy.cfg, "generation", replace(policy.cfg.generation, temperature=1.0))
+    at_one, _ = relogp(policy, rollout)
+    assert (at_one - at_sampling)[real].abs().max() > 1e-2
 
 
 def test_prefix_grouper_matches_the_standard_forward(lora_policy):
