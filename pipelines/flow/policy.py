@@ -276,10 +276,16 @@ class FlowPolicy(Policy):
             prev_sigma = sigma
         return x, nfe
 
+    def _chunked_guided(self, x: Tensor, sigma: Tensor, embeds: Any) -> tuple[Tensor, Tensor | None]:
+        """A velocity training does not replay (Flash solver, tree nodes, evaluation) and its unconditional part
+        (None without CFG), by micro-batch chunks."""
+        parts = [self._guided(x[c], sigma[c], embeds.select(c), replayed=False) for c in self._chunks(len(x))]
+        uncond = None if parts[0][1] is None else torch.cat([u for _, u in parts])
+        return torch.cat([v for v, _ in parts]), uncond
+
     def _chunked_velocity(self, x: Tensor, sigma: Tensor, embeds: Any) -> Tensor:
-        """A velocity training does not replay (Flash solver, tree nodes, evaluation), by micro-batch chunks."""
-        return torch.cat([self._velocity(x[c], sigma[c], embeds.select(c), replayed=False)
-                          for c in self._chunks(len(x))])
+        """:meth:`_chunked_guided` without the unconditional part."""
+        return self._chunked_guided(x, sigma, embeds)[0]
 
     def _sample_tree(self, plan: TreePlan, embeds: Any, group_size: int,
                      generator: torch.Generator) -> tuple[Tensor, dict[str, Any], int]:
@@ -297,14 +303,7 @@ class FlowPolicy(Policy):
         depth = nfe = 0
         for i in range(b.num_steps):
             sigma = self.sigmas[i].expand(len(x)).to(self.device)
-            uncond = None
-            if i in trained:
-                parts = [self._guided(x[c], sigma[c], depth_embeds[depth].select(c), replayed=False)
-                         for c in self._chunks(len(x))]
-                v = torch.cat([v for v, _ in parts])
-                uncond = None if parts[0][1] is None else torch.cat([u for _, u in parts])
-            else:
-                v = self._chunked_velocity(x, sigma, depth_embeds[depth])
+            v, uncond = self._chunked_guided(x, sigma, depth_embeds[depth])
             nfe += len(x)
             if i in splits:
                 parents = torch.arange(len(x) * b.branch_factor, device=self.device) // b.branch_factor

@@ -31,9 +31,9 @@ class Completions:
     - ``mask``: (G,L) bool, the real tokens, including the EOS token when one was produced.
     - ``truncated``: (G,) bool, hit ``max_new_tokens`` without EOS.
     - ``texts``: decoded, special tokens stripped.
-    - ``logprobs``: (G,L) fp32 log-probs of the sampled tokens under the model at the sampling temperature (1 when
-      greedy; no suppression, top-k or top-p) from the incremental KV-cache path, 0 where masked. For diagnostics only: these differ slightly from a full
-      forward, so the old log-probs for training come from ``token_logprobs``.
+    - ``logprobs``: (G,L) fp32 log-probs of the sampled tokens under the model at :func:`scoring_temperature` (no
+      suppression, top-k or top-p) from the incremental KV-cache path, 0 where masked. For diagnostics only: these
+      differ slightly from a full forward, so the old log-probs for training come from ``token_logprobs``.
     """
 
     ids: torch.Tensor
@@ -72,6 +72,11 @@ class BufferLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
         self._view(self.length)
+
+
+def scoring_temperature(cfg: VLMGenerationConfig) -> float:
+    """The temperature sampled tokens are scored at: the sampling one, or 1 for greedy decoding."""
+    return cfg.temperature if cfg.temperature > 0 else 1.0
 
 
 def sample_tokens(logits: torch.Tensor, suppress: torch.Tensor, cfg: VLMGenerationConfig,
@@ -147,7 +152,7 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
     for t in range(limit):
         token = sample_tokens(logits, suppress, cfg, generator)
         tokens[alive, t] = token
-        logps[alive, t] = gather_logprobs(logits, token, cfg.temperature if cfg.temperature > 0 else 1.0)
+        logps[alive, t] = gather_logprobs(logits, token, scoring_temperature(cfg))
         lengths[alive] = t + 1
         done = torch.isin(token, eos)
         if done.any():

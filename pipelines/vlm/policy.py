@@ -26,7 +26,7 @@ from mmgrpo.grpo import kl_estimate
 from mmgrpo.pipelines.vlm import tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
 from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, render_prompt, reward_meta
-from mmgrpo.pipelines.vlm.generation import generate_group
+from mmgrpo.pipelines.vlm.generation import generate_group, scoring_temperature
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
@@ -220,9 +220,9 @@ class VLMPolicy(Policy):
         used, local = index.unique(return_inverse=True)
         mask = data["mask"][rows]
         width = max(int(mask.sum(1).max()), 1)
-        temperature = self.cfg.generation.temperature or 1.0  # the distribution the rollout sampled from
         logp = token_logprobs(module, [data["prompts"][j] for j in used.tolist()], data["ids"][rows, :width],
-                              mask[:, :width], local, self.cfg.prefix_grouper, temperature)
+                              mask[:, :width], local, self.cfg.prefix_grouper,
+                              scoring_temperature(self.cfg.generation))
         return torch.nn.functional.pad(logp, (0, data["ids"].shape[1] - width))
 
     def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:
