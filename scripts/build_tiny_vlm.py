@@ -1,6 +1,7 @@
 """Build the shipped demo VLM and its data: ``assets/data/shapes_qa`` and ``assets/tiny-qwen2vl-shapes``.
 
-1. Writes the ShapesQA + MotionQA train and held-out splits (``mmgrpo.tasks.shapes_qa.write_split``).
+1. Writes the ShapesQA + MotionQA train and held-out splits (``mmgrpo.tasks.shapes_qa.write_split``); the shipped
+   train split (GRPO's questions) starts after the SFT items, so GRPO never trains on a question the SFT saw.
 2. Builds a tiny random Qwen2-VL (``build_tiny_vlm``) whose tokenizer has byte-pair merges learned on the chat
    texts of the SFT items, so every word of the task (system prompt, questions, options, think text) is one token,
    and ``<think>``, ``</think>``, ``<answer>``, ``</answer>`` are single added tokens. Other text still encodes byte
@@ -8,8 +9,8 @@
    normalisation the black background (-1.8) swamps the shapes in the random vision tower, and the SFT never learns
    to use the image.
 3. Fine-tunes all of it (vision tower included) with AdamW (warm-up, cosine decay over ``--steps``) on
-   ``<think>{think}</think><answer>X</answer><|im_end|>`` targets for more items of the train split (same seeds,
-   written to a temporary folder), prompts encoded exactly as the demo preset encodes them. Every
+   ``<think>{think}</think><answer>X</answer><|im_end|>`` targets for the first ``--sft-per-kind`` items per kind of
+   the train split (written to a temporary folder), prompts encoded exactly as the demo preset encodes them. Every
    ``--check-every`` steps it measures greedy accuracy on train-split items kept out of the SFT and stops once it
    reaches ``--stop-acc``, so the model is capable but imperfect and GRPO has room to improve it. Step-based, so a
    rerun with the same arguments gives the same model.
@@ -161,7 +162,7 @@ def main() -> None:
     parser.add_argument("--vision-depth", type=int, default=2, help="vision tower layers")
     parser.add_argument("--vision-width", type=int, default=32, help="vision tower width")
     parser.add_argument("--pixel-std", type=float, default=0.5, help="processor pixel std (mean 0: black is 0)")
-    parser.add_argument("--train-per-kind", type=int, default=240, help="shipped train items per kind")
+    parser.add_argument("--train-per-kind", type=int, default=240, help="shipped train items per kind (after the SFT items)")
     parser.add_argument("--heldout-per-kind", type=int, default=80, help="shipped held-out items per kind")
     parser.add_argument("--sft-per-kind", type=int, default=400, help="train-split items per kind for the SFT")
     parser.add_argument("--monitor-per-kind", type=int, default=8, help="of those, kept out of the SFT")
@@ -175,7 +176,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     cfg = load_config(args.config)
     data = Path(args.data)
-    write_split(data, "train", args.train_per_kind)
+    write_split(data, "train", args.train_per_kind, start=args.sft_per_kind)
     write_split(data, "heldout", args.heldout_per_kind)
     with tempfile.TemporaryDirectory() as tmp:
         write_split(tmp, "train", args.sft_per_kind)

@@ -113,9 +113,9 @@ class _QATask:
         return {"id": f"{self.name}-{kind}-{split}-{index:04d}", "task": self.name, "data_type": self.data_type,
                 **spec}
 
-    def items(self, split: str, n: int = 64) -> list[dict]:
-        """``n`` items per kind, kinds interleaved (colour, shape, count, colour, ...)."""
-        return [self.item(kind, i, split) for i in range(n) for kind in self.kinds]
+    def items(self, split: str, n: int = 64, start: int = 0) -> list[dict]:
+        """``n`` items per kind from index ``start`` on, kinds interleaved (colour, shape, count, colour, ...)."""
+        return [self.item(kind, i, split) for i in range(start, start + n) for kind in self.kinds]
 
 
 class ShapesQA(_QATask):
@@ -152,8 +152,9 @@ MOTION_QA = TASKS.register("motion_qa", MotionQA())
 
 
 def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str, ...] = ("shapes_qa", "motion_qa"),
-                ) -> int:
-    """Write ``n`` items per kind of each task to ``out_dir/{split}.jsonl`` (Video-R1 records with the extra fields
+                start: int = 0) -> int:
+    """Write ``n`` items per kind of each task, from index ``start`` on (so two calls with disjoint index ranges give
+    disjoint seeds), to ``out_dir/{split}.jsonl`` (Video-R1 records with the extra fields
     ``task``, ``kind``, ``think``, ``id``) and their media to ``out_dir/{split}/`` (PNG, H.264 MP4). Paths are
     relative to ``out_dir``. Returns the number of records."""
     out = Path(out_dir)
@@ -161,7 +162,7 @@ def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str
     records = []
     for name in tasks:
         task = TASKS.get(name)
-        for item in task.items(split, n):
+        for item in task.items(split, n, start):
             pixels = task.render(item)
             path = f"{split}/{item['id']}.{'png' if item['data_type'] == 'image' else 'mp4'}"
             if item["data_type"] == "image":

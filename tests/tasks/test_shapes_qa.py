@@ -36,6 +36,7 @@ def test_splits_differ_and_cover_every_kind(name):
     assert not {it["id"] for it in train} & {it["id"] for it in held}
     renders = {task.render(it).tobytes() for it in train}
     assert not renders & {task.render(it).tobytes() for it in held}
+    assert task.items("train", 2, start=4) == train[4 * len(task.kinds):]  # index ranges, so disjoint by seed
 
 
 @pytest.mark.parametrize("name", TASK_NAMES)
@@ -73,10 +74,12 @@ def test_shipped_data_matches_the_generator_and_is_small():
     assert size < 4e6  # 3.2 MB: 1440 train + 480 held-out items; all of assets/ must stay under 30 MB
     assets = sum(f.stat().st_size for f in DATA.parents[1].rglob("*") if f.is_file())
     assert assets < 30e6
-    for split in ("train", "heldout"):
+    # the GRPO train split starts after the items the shipped model was SFT'd on (scripts/build_tiny_vlm.py)
+    report = json.loads((DATA.parents[1] / "tiny-qwen2vl-shapes" / "sft_report.json").read_text())
+    for split, start in (("train", report["args"]["sft_per_kind"]), ("heldout", 0)):
         rows = [json.loads(line) for line in (DATA / f"{split}.jsonl").read_text().splitlines()]
         per_kind = len(rows) // 6
-        expected = [it for name in TASK_NAMES for it in TASKS.get(name).items(split, per_kind)]
+        expected = [it for name in TASK_NAMES for it in TASKS.get(name).items(split, per_kind, start)]
         assert [r["id"] for r in rows] == [it["id"] for it in expected]
         assert [r["solution"] for r in rows] == [it["solution"] for it in expected]
         assert all((DATA / r["path"]).is_file() for r in rows)
