@@ -6,10 +6,13 @@ Honesty rules:
 - The held-out prompts are scored twice only, before and after training; nothing is selected on them. During
   training, a validation set of training prompts (never held-out ones) is scored every ``eval_every`` steps, and
   the reported model is the validation-best snapshot.
-- Flow: the held-out metric is the full ShapesT2I evaluator (colour, shape, count, position, size, background), and
-  the report also gives what the training reward does not see: the diversity of samples for one prompt and the
-  distance of object sizes and positions from the data. A snapshot counts only while its validation diversity
-  stays within 20% of the base model's; training stops early once it falls below.
+- The report also gives what the training reward does not see. Flow: the held-out metric is the full ShapesT2I
+  evaluator (colour, shape, count, position, size, background), plus the diversity of samples for one prompt and
+  the distance of object sizes and positions from the data. VLM: the answer diversity of the multiple-choice
+  questions (``answer_diversity``: answering one letter everywhere games accuracy on questions the base gets
+  below chance).
+- A snapshot counts only while its validation guard measure (``DemoSpec.guard``: sample diversity for flow,
+  answer diversity for vlm) stays within 20% of the base model's; training stops early once it falls below.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import shutil
 import time
 from collections.abc import Iterator
@@ -29,7 +33,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 DIVERSITY_FLOOR = 0.8
-"""A gain counts only while sample diversity stays at or above this fraction of the base model's."""
+"""A gain counts only while the guard measure (``DemoSpec.guard``) stays at or above this fraction of the base
+model's."""
+HONESTY_MEASURES = ("diversity", "size_position_distance", "answer_diversity")
+"""Measures the training reward does not see, reported before and after (those the demo computes)."""
 
 
 @dataclass
@@ -44,6 +51,8 @@ class DemoSpec:
     """Name written to demo.json."""
     metric: str
     """The held-out metric: a logged reward name (``reward/sub`` for a sub-score)."""
+    guard: str
+    """The honesty measure a snapshot must keep at ``DIVERSITY_FLOOR`` of the base model's value or above."""
     samples_per_prompt: int
     """Held-out samples per prompt (seeds 0..k-1); diversity needs at least 2."""
     eval_every: int
@@ -57,9 +66,9 @@ class DemoSpec:
 
 DEMOS = {
     "flow": DemoSpec(preset="configs/flow/demo_shapes.yaml", asset="assets/tiny-sd3-shapes", task="ShapesT2I", metric="shapes_eval/score",
-                     samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
+                     guard="diversity", samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
-                    samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=9.0),
+                    guard="answer_diversity", samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=9.0),
 }
 
 
@@ -83,7 +92,8 @@ def missing_parts(which: str) -> list[str]:
 
 def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: bool) -> tuple[dict[str, float], Any]:
     """Held-out metrics of ``policy``: the mean of every logged reward over ``samples_per_prompt`` samples per
-    item, and for flow also diversity and the size/position distance. Returns (metrics, the sample batch)."""
+    item, and the honesty measures: for flow diversity and the size/position distance, for vlm the answer
+    diversity of the multiple-choice items. Returns (metrics, the sample batch)."""
     expanded = [{**it, "seed": s} for it in items for s in range(spec.samples_per_prompt)]
     with torch.no_grad():
         batch = policy.generate(expanded)
@@ -98,13 +108,21 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
         metrics["diversity"] = sum(diversity(images[i:i + k]) for i in range(0, len(images), k)) / len(items)
         metrics["size_position_distance"] = size_position_distance(images, batch.meta,
                                                                    TASKS.get("shapes_t2i").data_stats())
+    else:
+        from mmgrpo.rewards.text_rules import answer_diversity, canonical_problem_type, ground_truth
+
+        choice = [i for i, m in enumerate(batch.meta)
+                  if canonical_problem_type(m.get("problem_type", "")) == "multiple choice"]
+        metrics["answer_diversity"] = answer_diversity(
+            [batch.completions[i] for i in choice], [ground_truth(batch.meta[i], i, "demo") for i in choice])
     return metrics, batch
 
 
 def validation_items(train_items: list[dict], n: int) -> list[dict]:
-    """``n`` training items spread evenly over the training set (the validation set; never held-out items)."""
-    step = max(1, len(train_items) // n)
-    return train_items[::step][:n]
+    """``n`` training items drawn at random with a fixed seed (the validation set; never held-out items). Not every
+    k-th item: the task files interleave kinds, so a fixed stride can pick a single kind."""
+    picked = sorted(random.Random(0).sample(range(len(train_items)), min(n, len(train_items))))
+    return [train_items[i] for i in picked]
 
 
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
@@ -150,11 +168,12 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
             return False
         metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
         validations.append((step, metrics))
-        console.print(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}"
-                      + (f", diversity {metrics['diversity']:.2f}" if flow else ""))
-        if flow and metrics["diversity"] < DIVERSITY_FLOOR * val_base["diversity"]:
-            stop_reason["why"] = (f"early stop at step {step}: validation diversity {metrics['diversity']:.2f} fell "
-                                  f"below {DIVERSITY_FLOOR:.0%} of the base model's {val_base['diversity']:.2f}")
+        guard, floor = metrics[spec.guard], DIVERSITY_FLOOR * val_base[spec.guard]
+        console.print(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} "
+                      f"{guard:.2f}")
+        if math.isfinite(floor) and not guard >= floor:  # NaN (nothing answered) fails too
+            stop_reason["why"] = (f"early stop at step {step}: validation {spec.guard} {guard:.2f} fell below "
+                                  f"{DIVERSITY_FLOOR:.0%} of the base model's {val_base[spec.guard]:.2f}")
             return True
         if metrics[spec.metric] > best["metrics"][spec.metric]:
             best.update(step=step, metrics=metrics)
@@ -191,7 +210,7 @@ def comparison_table(spec: DemoSpec, before: dict[str, float], after: dict[str, 
 
 def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -> list[tuple[str, float, float]]:
     """(name, before, after) with the headline metric first, then the honesty measures, then the sub-scores."""
-    order = [metric] + [k for k in ("diversity", "size_position_distance") if k in before]
+    order = [metric] + [k for k in HONESTY_MEASURES if k in before]
     order += sorted(k for k in before if k not in order)
     return [(k, before[k], after.get(k, float("nan"))) for k in order]
 
@@ -223,12 +242,11 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     plt.close(fig)
 
     sample_lines = write_samples(out, which, spec, before_batch, after_batch)
-    diversity_note = ""
-    if "diversity" in before:
-        ratio = after["diversity"] / before["diversity"]
-        kept = "within" if ratio >= DIVERSITY_FLOOR else "OUTSIDE"
-        diversity_note = (f"Sample diversity after training is {ratio:.0%} of the base model's, {kept} the 20% "
-                          "band the gain is conditioned on.\n")
+    ratio = after[spec.guard] / before[spec.guard]
+    kept = "within" if ratio >= DIVERSITY_FLOOR else "OUTSIDE"
+    guard_note = (f"`{spec.guard}` after training is {ratio:.0%} of the base model's, {kept} the 20% band the gain "
+                  "is conditioned on.\n" if math.isfinite(before[spec.guard]) else
+                  f"`{spec.guard}` is not measurable on this held-out set, so no gain is conditioned on it.\n")
     rows = "\n".join(f"| {name} | {b:.3f} | {a:.3f} | {a - b:+.3f} |"
                      for name, b, a in table_rows(before, after, spec.metric))
     text = f"""# mmgrpo demo {which}: {spec.task}
@@ -245,8 +263,8 @@ time(s) with fixed seeds) was scored only before and after training.
 
 The headline metric is `{spec.metric}`. Training ran {history[-1]['step'] if history else 0} optimiser steps
 ({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} training prompts was scored;
-the reported model is the validation-best snapshot{" that kept sample diversity" if "diversity" in before else ""}
-(step {best_step}; step 0 is the base model). {diversity_note}
+the reported model is the validation-best snapshot that kept `{spec.guard}`
+(step {best_step}; step 0 is the base model). {guard_note}
 Total time {minutes:.1f} minutes.
 
 ![reward curve](reward_curve.png)

@@ -4,7 +4,7 @@ Every variant starts from the same shipped tiny model and the demo preset of its
 changes only the algorithm (``VARIANTS``), and trains for the same wall-clock budget. The held-out set is scored
 at fixed marks of training time (evaluation time is not counted), so each row is a curve of accuracy against
 minutes; the reported ``after`` is the final model (no selection). The honesty measures of the demo (diversity
-and size/position distance for flow) are reported before and after as well.
+and size/position distance for flow, answer diversity for vlm) are reported before and after as well.
 
 Figures (the ARCHITECTURE.md contract): ``<variant>/before``, ``<variant>/after``, ``<variant>/minutes`` (training
 minutes), and for MixGRPO and Flash ``<variant>/time_to_flow_grpo_final`` (the training time at which they first
@@ -47,7 +47,7 @@ shared initial noise; only the rollout mode changes, each with its published def
 def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, Any]:
     """Train one variant for ``budget_minutes`` of training time; return its row (curve included)."""
     from mmgrpo.config import load_config
-    from mmgrpo.demo import DEMOS, REPO, evaluate
+    from mmgrpo.demo import DEMOS, HONESTY_MEASURES, REPO, evaluate
     from mmgrpo.trainer import Trainer
 
     which, overrides = VARIANTS[name]
@@ -82,7 +82,7 @@ def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, 
     row = {"variant": name, "pipeline": which, "metric": spec.metric, "before": before[spec.metric],
            "after": last[spec.metric], "train_minutes": clock["train_s"] / 60, "steps": clock["steps"],
            "curve": curve}
-    for key in ("diversity", "size_position_distance"):
+    for key in HONESTY_MEASURES:
         if key in before:
             row[f"{key}_before"], row[f"{key}_after"] = before[key], last[key]
     return row

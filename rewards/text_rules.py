@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 import re
 import threading
+from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import jiwer
@@ -96,6 +98,24 @@ def math_equal(pred: str, gt: str) -> bool:
 def score_multiple_choice(pred: str, gt: str) -> float:
     """1.0 when the normalised option letters (see :func:`normalize_choice`) are equal."""
     return float(normalize_choice(pred) == normalize_choice(gt))
+
+
+def entropy(labels: Sequence[str]) -> float:
+    """Shannon entropy (nats) of the empirical distribution of ``labels``."""
+    counts = Counter(labels).values()
+    total = sum(counts)
+    return sum(c / total * math.log(total / c) for c in counts)
+
+
+def answer_diversity(completions: Sequence[str], solutions: Sequence[str]) -> float:
+    """How evenly multiple-choice answers spread over the options, relative to the truth: the entropy of the option
+    letters answered (:func:`normalize_choice` of each completion's last ``<answer>``; completions without one are
+    left out) over the entropy of the correct letters of the same questions. 1 when the answers are as spread as
+    the correct ones, 0 when every answer is the same letter; NaN when no completion answers or every correct
+    letter is the same. A policy that games accuracy with one letter for every question scores near 0."""
+    answered = [normalize_choice(a) for a in map(last_tagged, completions) if a]
+    truth = entropy([normalize_choice(last_tagged(s) or s) for s in solutions])
+    return entropy(answered) / truth if answered and truth > 0 else math.nan
 
 
 def score_numerical(pred: str, gt: str) -> float:

@@ -50,6 +50,7 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     assert {"reward/accuracy/mean", "reward/format/mean"} <= set(rows[0])
     report = (tmp_path / "report.md").read_text()
     assert "| accuracy |" in report and (tmp_path / "reward_curve.png").stat().st_size > 1000
+    assert "| answer_diversity |" in report and "`answer_diversity`" in report
     assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
 
 
@@ -62,3 +63,14 @@ def test_demo_command_runs_from_any_directory(small_demo, tmp_path, monkeypatch)
     assert main(["demo", "vlm", "--minutes", "0", "--output-dir", "out"]) == 0
     assert json.loads((tmp_path / "out" / "demo.json").read_text())["metric"] == "accuracy"
     assert (tmp_path / "out" / "report.md").is_file() and not (demo.REPO / "out").exists()
+
+
+def test_validation_items_cover_every_kind_of_an_interleaved_file():
+    """The task files interleave kinds (colour, shape, count, ...); a fixed stride of 15 over 1440 items picked
+    only one kind per task, so the validation set is a seeded random draw."""
+    kinds = ("colour", "shape", "count", "direction", "order", "clip count")
+    items = [{"kind": kinds[3 * t + j], "index": i} for t in range(2) for i in range(240) for j in range(3)]
+    picked = demo.validation_items(items, 96)
+    assert len(picked) == 96 and len({id(x) for x in picked}) == 96
+    assert {x["kind"] for x in picked} == set(kinds)
+    assert picked == demo.validation_items(items, 96)  # the same set every run

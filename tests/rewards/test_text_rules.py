@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmgrpo.rewards import RewardBatch, build_reward
-from mmgrpo.rewards.text_rules import canonical_problem_type, normalize_choice, parse_interval, parse_number
+from mmgrpo.rewards.text_rules import (
+    answer_diversity,
+    canonical_problem_type,
+    normalize_choice,
+    parse_interval,
+    parse_number,
+)
 
 
 def text_batch(completions, meta=None):
@@ -94,6 +100,30 @@ def test_accuracy_multiple_choice(pred, gt, expected):
                                           ("yes.", "YES")])
 def test_normalize_choice(text, letter):
     assert normalize_choice(text) == letter
+
+
+def answers(letters):
+    return [f"<think>x</think><answer>{x}</answer>" for x in letters]
+
+
+def test_answer_diversity_against_entropies():
+    truth = ["<answer>A</answer>", "<answer>B</answer>", "<answer>C</answer>", "<answer>D</answer>"]
+    assert answer_diversity(answers("DCBA"), truth) == pytest.approx(1.0)
+    assert answer_diversity(answers("AAAA"), truth) == 0.0  # one letter for every question
+    # A, A, (b) and one without an answer: the entropy of {A: 2/3, B: 1/3} over that of four letters, log 4
+    expected = -(2 / 3 * math.log(2 / 3) + 1 / 3 * math.log(1 / 3)) / math.log(4)
+    assert answer_diversity(answers(["A", "A", "(b)"]) + ["no tag"], truth) == pytest.approx(expected)
+    assert math.isnan(answer_diversity(["no tag"] * 4, truth))
+    assert math.isnan(answer_diversity(answers("AB"), ["A", "A"]))  # the truth is one letter: nothing to compare
+
+
+@given(st.lists(st.sampled_from("ABCD"), min_size=2, max_size=12), st.permutations(range(12)))
+@settings(max_examples=50, deadline=None)
+def test_answer_diversity_ignores_order(letters, order):
+    truth = [f"<answer>{x}</answer>" for x in "ABCDABCDABCD"[:len(letters)]]
+    shuffled = [letters[i] for i in order if i < len(letters)]
+    assert answer_diversity(answers(letters), truth) == pytest.approx(answer_diversity(answers(shuffled), truth),
+                                                                      nan_ok=True)
 
 
 @pytest.mark.parametrize("pred, gt, expected", [
