@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-DIVERSITY_FLOOR = 0.8
+GUARD_FLOOR = 0.8
 """A gain counts only while the guard measure (``DemoSpec.guard``) stays at or above this fraction of the base
 model's."""
 HONESTY_MEASURES = ("diversity", "size_position_distance", "answer_diversity")
@@ -52,7 +52,7 @@ class DemoSpec:
     metric: str
     """The held-out metric: a logged reward name (``reward/sub`` for a sub-score)."""
     guard: str
-    """The honesty measure a snapshot must keep at ``DIVERSITY_FLOOR`` of the base model's value or above."""
+    """The honesty measure a snapshot must keep at ``GUARD_FLOOR`` of the base model's value or above."""
     samples_per_prompt: int
     """Held-out samples per prompt (seeds 0..k-1); diversity needs at least 2."""
     eval_every: int
@@ -168,12 +168,12 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
             return False
         metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
         validations.append((step, metrics))
-        guard, floor = metrics[spec.guard], DIVERSITY_FLOOR * val_base[spec.guard]
+        guard, floor = metrics[spec.guard], GUARD_FLOOR * val_base[spec.guard]
         console.print(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} "
                       f"{guard:.2f}")
         if math.isfinite(floor) and not guard >= floor:  # NaN (nothing answered) fails too
             stop_reason["why"] = (f"early stop at step {step}: validation {spec.guard} {guard:.2f} fell below "
-                                  f"{DIVERSITY_FLOOR:.0%} of the base model's {val_base[spec.guard]:.2f}")
+                                  f"{GUARD_FLOOR:.0%} of the base model's {val_base[spec.guard]:.2f}")
             return True
         if metrics[spec.metric] > best["metrics"][spec.metric]:
             best.update(step=step, metrics=metrics)
@@ -243,7 +243,7 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
 
     sample_lines = write_samples(out, which, spec, before_batch, after_batch)
     ratio = after[spec.guard] / before[spec.guard]
-    kept = "within" if ratio >= DIVERSITY_FLOOR else "OUTSIDE"
+    kept = "within" if ratio >= GUARD_FLOOR else "OUTSIDE"
     guard_note = (f"`{spec.guard}` after training is {ratio:.0%} of the base model's, {kept} the 20% band the gain "
                   "is conditioned on.\n" if math.isfinite(before[spec.guard]) else
                   f"`{spec.guard}` is not measurable on this held-out set, so no gain is conditioned on it.\n")
