@@ -11,8 +11,9 @@ Honesty rules:
   the distance of object sizes and positions from the data. VLM: the answer diversity of the multiple-choice
   questions (``answer_diversity``: answering one letter everywhere games accuracy on questions the base gets
   below chance).
-- A snapshot counts only while its validation guard measure (``DemoSpec.guard``: sample diversity for flow,
-  answer diversity for vlm) stays within 20% of the base model's; training stops early once it falls below.
+- A snapshot counts only if its validation guard measure (``DemoSpec.guard``: sample diversity for flow,
+  answer diversity for vlm) is within 20% of the base model's. Flow stops training at the first check that
+  fails; the VLM keeps training and passes over failing snapshots, because its answer prior drifts back and forth.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class DemoSpec:
     """The held-out metric: a logged reward name (``reward/sub`` for a sub-score)."""
     guard: str
     """The honesty measure a snapshot must keep at ``GUARD_FLOOR`` of the base model's value or above."""
+    stop_on_guard: bool
+    """Stop training at the first validation check that fails the guard (True), or keep training and only pass
+    over the failing snapshots (False: for a measure that recovers, as the VLM's answer prior drifts back)."""
     samples_per_prompt: int
     """Held-out samples per prompt (seeds 0..k-1); diversity needs at least 2."""
     eval_every: int
@@ -66,9 +70,9 @@ class DemoSpec:
 
 DEMOS = {
     "flow": DemoSpec(preset="configs/flow/demo_shapes.yaml", asset="assets/tiny-sd3-shapes", task="ShapesT2I", metric="shapes_eval/score",
-                     guard="diversity", samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
+                     guard="diversity", stop_on_guard=True, samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
-                    guard="answer_diversity", samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=9.0),
+                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=9.0),
 }
 
 
@@ -116,6 +120,12 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
         metrics["answer_diversity"] = answer_diversity(
             [batch.completions[i] for i in choice], [ground_truth(batch.meta[i], i, "demo") for i in choice])
     return metrics, batch
+
+
+def guard_kept(value: float, base: float) -> bool:
+    """Whether a guard measure ``value`` is at least ``GUARD_FLOOR`` of the base model's ``base``; always when the
+    base is not measurable (NaN), never when ``value`` is NaN and the base is."""
+    return not math.isfinite(base) or value >= GUARD_FLOOR * base
 
 
 def validation_items(train_items: list[dict], n: int) -> list[dict]:
@@ -168,14 +178,15 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
             return False
         metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
         validations.append((step, metrics))
-        guard, floor = metrics[spec.guard], GUARD_FLOOR * val_base[spec.guard]
+        guard = metrics[spec.guard]
+        kept = guard_kept(guard, val_base[spec.guard])
         console.print(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} "
-                      f"{guard:.2f}")
-        if math.isfinite(floor) and not guard >= floor:  # NaN (nothing answered) fails too
+                      f"{guard:.2f}" + ("" if kept else " (below the guard floor)"))
+        if not kept and spec.stop_on_guard:
             stop_reason["why"] = (f"early stop at step {step}: validation {spec.guard} {guard:.2f} fell below "
                                   f"{GUARD_FLOOR:.0%} of the base model's {val_base[spec.guard]:.2f}")
             return True
-        if metrics[spec.metric] > best["metrics"][spec.metric]:
+        if kept and metrics[spec.metric] > best["metrics"][spec.metric]:
             best.update(step=step, metrics=metrics)
             policy.save(snapshot)
         if out_of_time:
@@ -242,6 +253,12 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     plt.close(fig)
 
     sample_lines = write_samples(out, which, spec, before_batch, after_batch)
+    failed = [step for step, m in validations[1:] if not guard_kept(m[spec.guard], validations[0][1][spec.guard])]
+    if failed and not spec.stop_on_guard:
+        guard_note_failed = (f"Validation `{spec.guard}` fell below {GUARD_FLOOR:.0%} of the base model's at "
+                             f"step(s) {', '.join(map(str, failed))}; those snapshots were not eligible.\n")
+    else:
+        guard_note_failed = ""
     ratio = after[spec.guard] / before[spec.guard]
     kept = "within" if ratio >= GUARD_FLOOR else "OUTSIDE"
     guard_note = (f"`{spec.guard}` after training is {ratio:.0%} of the base model's, {kept} the 20% band the gain "
@@ -264,7 +281,7 @@ time(s) with fixed seeds) was scored only before and after training.
 The headline metric is `{spec.metric}`. Training ran {history[-1]['step'] if history else 0} optimiser steps
 ({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} training prompts was scored;
 the reported model is the validation-best snapshot that kept `{spec.guard}`
-(step {best_step}; step 0 is the base model). {guard_note}
+(step {best_step}; step 0 is the base model). {guard_note}{guard_note_failed}
 Total time {minutes:.1f} minutes.
 
 ![reward curve](reward_curve.png)

@@ -74,3 +74,9 @@ def test_validation_items_cover_every_kind_of_an_interleaved_file():
     assert len(picked) == 96 and len({id(x) for x in picked}) == 96
     assert {x["kind"] for x in picked} == set(kinds)
     assert picked == demo.validation_items(items, 96)  # the same set every run
+
+
+@pytest.mark.parametrize("value, base, kept", [(0.8, 1.0, True), (0.79, 1.0, False), (0.0, 0.47, False),
+                                               (float("nan"), 0.47, False), (0.0, float("nan"), True)])
+def test_guard_kept_at_80_percent_of_the_base(value, base, kept):
+    assert demo.guard_kept(value, base) is kept
