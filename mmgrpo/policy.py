@@ -29,7 +29,8 @@ class Rollout:
     - ``unit_weight``: (N, U) fp32 per-unit loss weights (timestep weighting); ones when unused.
     - ``reward_batch``: the batch the reward zoo scores (``mmgrpo.rewards.RewardBatch``).
     - ``data``: pipeline tensors needed to recompute log-probs (latents, noise, token ids, ...).
-    - ``counters``: numbers to log for this rollout, e.g. ``nfe/rollout`` or ``tokens/completion``.
+    - ``counters``: numbers to log for this rollout, e.g. ``nfe/rollout`` or ``tokens/completion``; logged after
+      training, so ``log_probs`` may add to them.
     - ``sample_mask``: (N,) bool, samples that may be trained at all (False for a failed decode, etc.).
     - ``recompute_old_logp``: set by a policy whose sampling forwards cannot use the training chunking (consecutive
       rows in ``train.micro_batch_size`` chunks, then ``unit_chunks``); the trainer then takes ``old_logp`` from

@@ -341,10 +341,10 @@ class Trainer:
                 unit_adv, adv_stats = self.compute_advantages(rollout, main)
                 iteration_metrics = self._reward_metrics(main, logged)
                 iteration_metrics.update(adv_stats)
-                iteration_metrics.update(rollout.counters)
                 iteration_metrics.update({"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1})
                 rows: list[dict[str, float]] = []
                 self.train_on_rollout(rollout, unit_adv, rows.append)
+                iteration_metrics.update(rollout.counters)  # after training, which may add to them
                 t3 = time.perf_counter()
                 self.iteration += 1
                 every = cfg.train.eval_every

@@ -200,7 +200,7 @@ class FlowPolicy(Policy):
         weight = self._unit_weights(data.pop("std"), mask)
         rollout = Rollout(group=group, old_logp=old_logp, mask=mask, reward_batch=batch, data=data,
                           unit_weight=weight, recompute_old_logp=isinstance(plan, TreePlan))
-        rollout.counters = self._counters(rollout, plan, nfe, self._cfg_factor(embeds))
+        rollout.counters = self._counters(plan, nfe, self._cfg_factor(embeds))
         return rollout
 
     def _sample_chain(self, plan: LinearPlan, embeds: Any, group_size: int,
@@ -359,33 +359,29 @@ class FlowPolicy(Policy):
             weight[mask] = schedules.timestep_weights(self.cfg.mode.timestep_weighting, std[mask])
         return weight
 
-    def _counters(self, rollout: Rollout, plan: LinearPlan | TreePlan, nfe: int,
-                  cfg_factor: int) -> dict[str, float]:
-        """NFE of sampling and of the training the trainer will run on this rollout, and the step counts."""
-        n = len(rollout)
-        if isinstance(plan, TreePlan):
-            p, depths = n // plan.branch.num_leaves, plan.unit_depths()
-            trained = sum(p * (plan.leaves_kept() if d == plan.branch.depth else plan.branch.branch_factor**d)
-                          for d in depths)
-            sde_steps = sum(plan.sde)
-        else:
-            trained = int(rollout.mask.sum())
-            sde_steps = plan.sde.sum(dim=1).float().mean().item()
+    def _counters(self, plan: LinearPlan | TreePlan, nfe: int, cfg_factor: int) -> dict[str, float]:
+        """NFE of sampling and the SDE steps per sample; the training counters follow once the trained units
+        are final (:meth:`_train_counters`)."""
+        sde_steps = sum(plan.sde) if isinstance(plan, TreePlan) else plan.sde.sum(dim=1).float().mean().item()
+        return {"nfe/rollout": float(nfe * cfg_factor), "steps/sde": float(sde_steps)}
+
+    def _train_counters(self, rollout: Rollout) -> dict[str, float]:
+        """NFE of the training the trainer will run on ``rollout``, from its final mask (after width pruning;
+        a tree node's transition is in the mask of one leaf only). ``log_probs`` adds placeholder forwards."""
+        n, trained = len(rollout), int(rollout.mask.sum())
+        cfg_factor = self._cfg_factor(rollout.data["embeds"])
         epochs, kl = self.cfg.train.num_inner_epochs, int(self.cfg.grpo.kl_beta > 0)
         t = self.cfg.train
-        later = rows_after_first_update(n, t.micro_batch_size, t.updates_per_rollout)
+        first = int(rollout.mask[:n - rows_after_first_update(n, t.micro_batch_size, t.updates_per_rollout)].sum())
         kept = "v_uncond" in rollout.data  # before any update, the rollout's unconditional forwards are reused
-        recompute = reused = 0
-        if rollout.recompute_old_logp:  # only rows of later updates need a separate pass (see Rollout)
-            recompute = int(rollout.mask[n - later:].sum()) * (cfg_factor - kept)
-        if kept:  # trained transitions of the first update's rows (a tree prunes later: its share of ``trained``)
-            reused = round(trained * int(rollout.mask[:n - later].sum()) / max(int(rollout.mask.sum()), 1))
+        # only rows of later updates need a separate old-log-prob pass (see Rollout)
+        recompute = (trained - first) * (cfg_factor - kept) if rollout.recompute_old_logp else 0
+        reused = first if kept else 0
         return {
-            "nfe/rollout": float(nfe * cfg_factor),
             "nfe/train": float(trained * cfg_factor * (1 + kl) * epochs + recompute - reused),
             "nfe/train_grad": float(trained * epochs),
             "nfe/recompute": float(recompute),
-            "steps/sde": float(sde_steps),
+            "nfe/placeholder": 0.0,
             "steps/trained": trained / n,
         }
 
@@ -421,18 +417,30 @@ class FlowPolicy(Policy):
         consecutive rows: the rollout's layout). Pairs outside the mask (tree nodes owned by another leaf,
         pruned transitions) are not computed and return 0; when none is in the mask, the first pair is
         computed anyway (its value is masked out of the loss) so that the backward has a graph and DDP sees a
-        forward."""
+        forward; it is added to the rollout's ``nfe/*`` counters."""
         units = torch.arange(rollout.old_logp.shape[1]) if units is None else units
         rows, units = rows.to(self.device), units.to(self.device)
         active = rollout.mask[rows][:, units]
         if not bool(active.any()):
             active = torch.zeros_like(active)
             active[0, 0] = True
+            self._count_placeholder(rollout, with_kl)
         r, u = active.nonzero(as_tuple=True)
         logp, kl = self._log_prob(rollout.data, rows[r], units[u], with_kl, not rollout.weights_updated)
         out = torch.zeros(active.shape, device=self.device)
         kl = None if kl is None else out.index_put((r, u), kl)
         return LogProbs(logp=out.index_put((r, u), logp), kl=kl)
+
+    def _count_placeholder(self, rollout: Rollout, with_kl: bool) -> None:
+        """Add one placeholder transition's forwards to ``rollout.counters``: the policy's (its unconditional
+        forward reused while the weights are the rollout's), the reference's with KL, and a backward under
+        grad."""
+        cfg_factor = self._cfg_factor(rollout.data["embeds"])
+        reused = not rollout.weights_updated and "v_uncond" in rollout.data
+        counters = rollout.counters
+        counters["nfe/placeholder"] += 1
+        counters["nfe/train"] += (1 if reused else cfg_factor) + cfg_factor * int(with_kl)
+        counters["nfe/train_grad"] += int(torch.is_grad_enabled())
 
     def _log_prob(self, data: dict[str, Any], rows: Tensor, units: Tensor, with_kl: bool,
                   sampling_weights: bool) -> tuple[Tensor, Tensor | None]:
@@ -455,10 +463,13 @@ class FlowPolicy(Policy):
     def unit_advantages(self, rollout: Rollout, advantages: Tensor, rewards: Tensor) -> Tensor:
         """Chains: every unit gets its sample's advantage. Trees: each unit gets the depth-wise advantage of
         the node that owns it, from leaf rewards backed up the tree; width pruning then clears
-        ``rollout.mask`` on the leaf-depth transitions of the leaves it drops."""
+        ``rollout.mask`` on the leaf-depth transitions of the leaves it drops. Either way the training
+        counters are added to ``rollout.counters`` from the final mask."""
         plan = rollout.data.get("tree_plan")
         if plan is None:
-            return super().unit_advantages(rollout, advantages, rewards)
+            out = super().unit_advantages(rollout, advantages, rewards)
+            rollout.counters.update(self._train_counters(rollout))
+            return out
         b, g = plan.branch, self.cfg.grpo
         leaf = rewards.double().view(-1, b.num_leaves)
         fill = leaf.nanmean(dim=1, keepdim=True).nan_to_num(0.0).expand_as(leaf)
@@ -473,6 +484,7 @@ class FlowPolicy(Policy):
             keep = tree.width_prune(node_adv[b.depth], plan.width_keep).flatten().to(rollout.mask.device)
             leaf_units = torch.tensor([d == b.depth for d in plan.unit_depths()], device=rollout.mask.device)
             rollout.mask &= ~leaf_units | keep[:, None]
+        rollout.counters.update(self._train_counters(rollout))
         return out
 
     # ------------------------------------------------------------------------------------------ evaluation

@@ -110,12 +110,16 @@ def test_kl_is_zero_at_init_then_positive_and_counters_add_up(adapter, tmp_path)
     assert rows[0]["nfe/rollout"] == 32 and rows[0]["nfe/train"] == 36 and rows[0]["nfe/train_grad"] == 12
 
 
-@pytest.mark.parametrize("preset", ["tiny_flowgrpo", "tiny_dancegrpo"])
+@pytest.mark.parametrize("preset", ["tiny_flowgrpo", "tiny_dancegrpo", "tiny_branchgrpo"])
 @pytest.mark.parametrize("updates", [1, 2])
 def test_nfe_counters_are_the_rows_the_transformer_ran(preset, updates, adapter, tmp_path):
-    """Chains. The first update reuses the rollout's unconditional forwards; with two updates the second one's
-    rows run theirs again (the weights have moved)."""
-    cfg = config(preset, tmp_path, f"train.updates_per_rollout={updates}", f"train.max_steps={updates}")
+    """The first update reuses the rollout's unconditional forwards; with two updates the second one's rows run
+    theirs again (the weights have moved). The tree (split at steps 0 and 2, 4 leaves, width pruning to 2)
+    trains one-row micro-batches, so some (micro-batch, step chunk) pairs own no transition: a pruned leaf's
+    last steps, or a shared node another leaf owns. Each still runs one placeholder forward."""
+    tree = ["mode.split_points=[0,2]", "mode.depth_prune_window=1", "train.micro_batch_size=1"]
+    cfg = config(preset, tmp_path, f"train.updates_per_rollout={updates}", f"train.max_steps={updates}",
+                 *(tree if preset == "tiny_branchgrpo" else []))
     ran = []
     hook = adapter.transformer.register_forward_hook(
         lambda _m, _args, kwargs, _out: ran.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
