@@ -52,7 +52,8 @@ class GRPOConfig:
 
     advantage: str = "group_zscore"
     """Advantage estimator (registry ``ADVANTAGES``): group_zscore, group_mean (Dr. GRPO), group_mean_batch_std
-    (Flow-GRPO: per-group mean, std over the whole gathered batch), rloo (leave-one-out), or ``module:attr``."""
+    (Flow-GRPO: per-group mean, std over the whole gathered batch), rloo (leave-one-out), max_rl ((r - mean) /
+    mean: maximum likelihood of success, for rewards >= 0), or ``module:attr``."""
     adv_eps: float = 1e-6
     """Added to the std in the denominator of the normalising estimators. Flow-GRPO uses 1e-4."""
     adv_clip: float = 0.0

@@ -78,6 +78,25 @@ def rloo(rewards: torch.Tensor, group: torch.Tensor, eps: float) -> torch.Tensor
     return _normalise(rewards, mean[index], torch.where(n > 1, (n - 1) / n, 0.0))
 
 
+@ADVANTAGES.register("max_rl")
+def max_rl(rewards: torch.Tensor, group: torch.Tensor, eps: float) -> torch.Tensor:
+    """MaxRL (Tajwar, Zeng et al. 2026, arXiv:2602.02710): (r - mean_g) / mean_g, and 0 where mean_g <= eps.
+
+    For 0/1 success rewards, the group's policy gradient is G x (mean score function of its successes - mean over
+    all G samples): an unbiased estimate of the gradient of log pass@G, which tends to maximum likelihood
+    (grad log p) as G grows. A prompt solved with probability p weighs about 1/p, against GRPO's 1/sqrt(p(1-p)),
+    so hard prompts count most, as in supervised training. Rewards must be >= 0 (success indicators or scores
+    with 0 as failure); a group without success carries no signal. Not invariant to a shift of the rewards."""
+    r = rewards.double()
+    negative = r[r < 0]  # NaN compares False
+    if negative.numel():
+        raise ValueError(f"advantage max_rl needs rewards >= 0 (0 = failure), got {negative.min().item():.4g}; "
+                         "use grpo.advantage=group_zscore for signed rewards")
+    index, _, mean, _ = group_stats(r, group)
+    center = mean[index]
+    return _normalise(r, center, torch.where(center > eps, center, 0.0))
+
+
 def zero_std_groups(rewards: torch.Tensor, group: torch.Tensor, tol: float = ZERO_STD_TOL) -> torch.Tensor:
     """(N,) bool: the sample's group has valid-reward std <= tol (including groups with at most one valid member)."""
     index, count, _, std = group_stats(rewards, group)

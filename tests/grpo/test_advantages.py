@@ -12,6 +12,7 @@ from mmgrpo.grpo.advantages import (
     group_mean_batch_std,
     group_stats,
     group_zscore,
+    max_rl,
     rloo,
     weighted_reward,
     zero_std_groups,
@@ -21,6 +22,7 @@ from mmgrpo.registry import ADVANTAGES
 NAN = float("nan")
 ESTIMATORS = {"group_zscore": group_zscore, "group_mean": group_mean,
               "group_mean_batch_std": group_mean_batch_std, "rloo": rloo}
+"""The shift-invariant estimators (max_rl, which is not, is tested on its own)."""
 
 
 def t(values, dtype=torch.float64):
@@ -37,7 +39,7 @@ MIXED_G = t([7, 7, 7, -3, -3, 100, 42], torch.int64)
 
 
 def test_registered_under_their_names():
-    for name, fn in ESTIMATORS.items():
+    for name, fn in {**ESTIMATORS, "max_rl": max_rl}.items():
         assert ADVANTAGES.get(name) is fn
 
 
@@ -68,6 +70,21 @@ def test_rloo_hand_computed():
     # group 7: 1 - 3, 3 - 1; group -3: 5 - 2, 2 - 5; a lone member gets 0.
     close(rloo(MIXED_R, MIXED_G, 0.0), [-2.0, 0.0, 2.0, 3.0, -3.0, 0.0, 0.0])
     close(rloo(t([1.0, 2.0, 6.0]), t([0, 0, 0], torch.int64), 0.0), [1 - 4.0, 2 - 3.5, 6 - 1.5])
+
+
+def test_max_rl_hand_computed():
+    # group 0: 1 success of 4 -> (1 - 1/4) / (1/4) = 3 and -1; group 1: 2 of 4 -> +-1; group 2: none -> 0
+    r = t([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    g = t([0, 0, 0, 0, 1, 1, 1, 1, 2, 2], torch.int64)
+    close(max_rl(r, g, 1e-6), [3.0, -1.0, -1.0, -1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 0.0])
+    # scores in [0, 1]; NaN left out: mean 0.5 -> (0.25 - 0.5) / 0.5
+    close(max_rl(t([0.25, 0.75, NAN]), t([5, 5, 5], torch.int64), 1e-6), [-0.5, 0.5, 0.0])
+    close(max_rl(t([0.0, 1e-9]), t([0, 0], torch.int64), 1e-6), [0.0, 0.0])  # mean <= eps: no signal
+
+
+def test_max_rl_rejects_negative_rewards():
+    with pytest.raises(ValueError, match="max_rl needs rewards >= 0.*-0.5"):
+        max_rl(t([1.0, -0.5]), t([0, 0], torch.int64), 1e-6)
 
 
 def test_all_nan_batch_gives_zeros():
@@ -216,3 +233,31 @@ def test_zero_std_groups_match_loop(data):
         members = [y for y, h in zip(r, g) if h == gid and not math.isnan(y)]
         expected.append(len(set(members)) <= 1)
     assert zero_std_groups(rewards, group).tolist() == expected
+
+
+@st.composite
+def success_groups(draw):
+    """(rewards, group, scores): 1-4 groups of 2-6 samples with 0/1 rewards (at least one success each) and a
+    per-sample score standing in for a score function."""
+    rewards, group = [], []
+    for gid in range(draw(st.integers(1, 4))):
+        values = draw(st.lists(st.integers(0, 1), min_size=2, max_size=6).filter(any))
+        rewards += values
+        group += [gid] * len(values)
+    scores = draw(st.lists(st.floats(-10, 10), min_size=len(rewards), max_size=len(rewards)))
+    return t(rewards), t(group, torch.int64), t(scores)
+
+
+@settings(max_examples=50, deadline=None)
+@given(success_groups(), st.floats(0.01, 100))
+def test_max_rl_is_the_success_mean_minus_the_group_mean(data, scale):
+    """For 0/1 rewards sum_i A_i s_i = G (mean of s over the successes - mean of s over the group) in every group
+    (MaxRL's estimator with its control variate), and rescaling the rewards changes nothing."""
+    rewards, group, scores = data
+    adv = max_rl(rewards, group, 1e-9)
+    torch.testing.assert_close(max_rl(rewards * scale, group, 1e-9), adv, atol=1e-9, rtol=1e-9)
+    for gid in group.unique():
+        sel = group == gid
+        r, s = rewards[sel], scores[sel]
+        expected = len(r) * (s[r == 1].mean() - s.mean())
+        torch.testing.assert_close((adv[sel] * s).sum(), expected, atol=1e-9, rtol=1e-9)
