@@ -10,7 +10,8 @@ Honesty rules:
   evaluator (colour, shape, count, position, size, background), plus the diversity of samples for one prompt and
   the distance of object sizes and positions from the data. VLM: the answer diversity of the multiple-choice
   questions (``answer_diversity``: answering one letter everywhere games accuracy on questions the base gets
-  below chance).
+  below chance) and CircularEval accuracy (``circular_accuracy``: a multiple-choice question counts only if it is
+  answered right under every rotation of its options, which no letter prior survives).
 - A snapshot counts only if its validation guard measure (``DemoSpec.guard``: sample diversity for flow,
   answer diversity for vlm) is within 20% of the base model's. Flow stops training at the first check that
   fails; the VLM keeps training and passes over failing snapshots, because its answer prior drifts back and forth.
@@ -36,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 GUARD_FLOOR = 0.8
 """A gain counts only while the guard measure (``DemoSpec.guard``) stays at or above this fraction of the base
 model's."""
-HONESTY_MEASURES = ("diversity", "size_position_distance", "answer_diversity")
+HONESTY_MEASURES = ("diversity", "size_position_distance", "answer_diversity", "circular_accuracy")
 """Measures the training reward does not see, reported before and after (those the demo computes)."""
 
 
@@ -94,10 +95,12 @@ def missing_parts(which: str) -> list[str]:
     return [p for p in (spec.preset, spec.asset) if not (REPO / p).exists()]
 
 
-def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: bool) -> tuple[dict[str, float], Any]:
+def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: bool,
+             circular: bool = False) -> tuple[dict[str, float], Any]:
     """Held-out metrics of ``policy``: the mean of every logged reward over ``samples_per_prompt`` samples per
     item, and the honesty measures: for flow diversity and the size/position distance, for vlm the answer
-    diversity of the multiple-choice items. Returns (metrics, the sample batch)."""
+    diversity of the multiple-choice items and, with ``circular``, their :func:`circular_accuracy`. Returns
+    (metrics, the sample batch)."""
     expanded = [{**it, "seed": s} for it in items for s in range(spec.samples_per_prompt)]
     with torch.no_grad():
         batch = policy.generate(expanded)
@@ -119,7 +122,35 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
                   if canonical_problem_type(m.get("problem_type", "")) == "multiple choice"]
         metrics["answer_diversity"] = answer_diversity(
             [batch.completions[i] for i in choice], [ground_truth(batch.meta[i], i, "demo") for i in choice])
+        if circular:
+            metrics["circular_accuracy"] = circular_accuracy(policy, zoo, items, batch, logged["accuracy"])
     return metrics, batch
+
+
+def circular_accuracy(policy: Any, zoo: Any, items: list[dict], batch: Any, accuracy: torch.Tensor) -> float:
+    """CircularEval (MMBench): the share of ``items`` answered right under every rotation of their options
+    (:func:`~mmgrpo.pipelines.vlm.data.rotate_options`); a question without options counts as answered once. A
+    policy that answers by letter position fails some rotation, so it cannot gain here. ``batch`` and
+    ``accuracy`` (N,) are the completions of ``items`` already scored (one per item; skipped items are left out)."""
+    from mmgrpo.pipelines.vlm.data import render_prompt, rotate_options
+    from mmgrpo.rewards.text_rules import canonical_problem_type
+
+    right = {m["source"]: a == 1.0 for m, a in zip(batch.meta, accuracy.tolist())}
+    template = policy.cfg.data.prompt_template
+    rotated = []
+    for item in items:
+        sample = item["sample"]
+        if sample.source in right and canonical_problem_type(sample.problem_type or "") == "multiple choice":
+            for shift in range(1, len(sample.options)):
+                moved = rotate_options(sample, shift)
+                rotated.append({"prompt": render_prompt(moved, template), "sample": moved})
+    if rotated:
+        with torch.no_grad():
+            rotated_batch = policy.generate(rotated)
+        _, logged, _ = zoo(rotated_batch, only=["accuracy"])
+        for m, a in zip(rotated_batch.meta, logged["accuracy"].tolist()):
+            right[m["source"]] &= a == 1.0
+    return sum(right.values()) / max(len(right), 1)
 
 
 def guard_kept(value: float, base: float) -> bool:
@@ -161,7 +192,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     console.print(f"[bold]mmgrpo demo {which}[/]: {spec.task}, {len(items)} held-out prompts, preset {spec.preset}",
                   soft_wrap=True)
 
-    before, before_batch = evaluate(policy, zoo, items, spec, flow)
+    before, before_batch = evaluate(policy, zoo, items, spec, flow, circular=True)
     console.print(f"before training: held-out {spec.metric} = {before[spec.metric]:.3f}")
     val_base, _ = evaluate(policy, zoo, val_items, spec, flow)
     validations = [(0, val_base)]
@@ -195,7 +226,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
 
     history = trainer.train(should_stop=should_stop)
     policy.load(snapshot)
-    after, after_batch = evaluate(policy, zoo, items, spec, flow)
+    after, after_batch = evaluate(policy, zoo, items, spec, flow, circular=True)
     total_minutes = (time.perf_counter() - start) / 60.0
 
     result = {"task": spec.task, "metric": spec.metric, "before": before[spec.metric],
@@ -264,6 +295,10 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     guard_note = (f"`{spec.guard}` after training is {ratio:.0%} of the base model's, {kept} the 20% band the gain "
                   "is conditioned on.\n" if math.isfinite(before[spec.guard]) else
                   f"`{spec.guard}` is not measurable on this held-out set, so no gain is conditioned on it.\n")
+    circular_note = ("`circular_accuracy` asks every multiple-choice question again under each rotation of its "
+                     "options and counts it only if all are answered right; a gain in `accuracy` that it does not "
+                     "share comes from where the answer letters sit, not from the images.\n"
+                     if "circular_accuracy" in before else "")
     rows = "\n".join(f"| {name} | {b:.3f} | {a:.3f} | {a - b:+.3f} |"
                      for name, b, a in table_rows(before, after, spec.metric))
     text = f"""# mmgrpo demo {which}: {spec.task}
@@ -281,7 +316,7 @@ time(s) with fixed seeds) was scored only before and after training.
 The headline metric is `{spec.metric}`. Training ran {history[-1]['step'] if history else 0} optimiser steps
 ({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} training prompts was scored;
 the reported model is the validation-best snapshot that kept `{spec.guard}`
-(step {best_step}; step 0 is the base model). {guard_note}{guard_note_failed}
+(step {best_step}; step 0 is the base model). {guard_note}{guard_note_failed}{circular_note}
 Total time {minutes:.1f} minutes.
 
 ![reward curve](reward_curve.png)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mmgrpo.config import ConfigError
-from mmgrpo.rewards.text_rules import PROBLEM_TYPES, canonical_problem_type, last_tagged
+from mmgrpo.rewards.text_rules import PROBLEM_TYPES, canonical_problem_type, last_tagged, normalize_choice
 
 _CONSUMED = ("problem", "problem_type", "options", "solution", "answer", "path", "data_type", "images", "videos")
 _OPTION_LABEL = re.compile(r"\s*\(?[A-Za-z]\s*[.):]")
@@ -200,6 +200,26 @@ def format_options(options: list[str]) -> str:
             raise ConfigError(f"cannot label {len(options)} options with the letters A-Z")
         options = [f"{chr(ord('A') + i)}. {o}" for i, o in enumerate(options)]
     return "\nOptions:\n" + "\n".join(options)
+
+
+def rotate_options(sample: VLMSample, shift: int) -> VLMSample:
+    """``sample`` with its option texts moved ``shift`` places up (option ``k`` gets the text of option
+    ``k + shift``, wrapping around), relabelled A, B, C, ... and its solution letter moved with the correct text.
+    CircularEval (MMBench) asks every rotation: a model that answers by letter position cannot pass them all.
+    Raises ValueError when the sample has no options or its solution is not one of their letters."""
+    n = len(sample.options)
+    inner = last_tagged(sample.solution)
+    letter = normalize_choice(sample.solution if inner is None else inner)
+    labels = [chr(ord("A") + k) for k in range(n)]
+    if letter not in labels:
+        raise ValueError(f"{sample.source}: cannot rotate the options, the solution {sample.solution!r} is not one "
+                         f"of the option letters {labels}")
+    texts = [_OPTION_LABEL.sub("", o, count=1).strip() if _OPTION_LABEL.match(o) else o.strip()
+             for o in sample.options]
+    shift %= n
+    moved = labels[(labels.index(letter) - shift) % n]
+    solution = moved if inner is None else f"<answer>{moved}</answer>"
+    return replace(sample, options=[f"{labels[k]}. {texts[(k + shift) % n]}" for k in range(n)], solution=solution)
 
 
 def render_prompt(sample: VLMSample, template: str) -> str:

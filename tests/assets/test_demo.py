@@ -3,11 +3,17 @@ training step."""
 
 import dataclasses
 import json
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mmgrpo import demo
+from mmgrpo.config import RewardSpec
+from mmgrpo.pipelines.vlm.data import read_samples, render_prompt, reward_meta
+from mmgrpo.rewards import RewardBatch
+from mmgrpo.rewards.zoo import RewardZoo
 
 SMALL = ["data.num_eval=3", "train.prompts_per_step=2", "train.group_size=4", "train.micro_batch_size=8",
          "num_threads=1"]
@@ -51,6 +57,7 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     report = (tmp_path / "report.md").read_text()
     assert "| accuracy |" in report and (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert "| answer_diversity |" in report and "`answer_diversity`" in report
+    assert "| circular_accuracy |" in report
     assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
 
 
@@ -80,3 +87,38 @@ def test_validation_items_cover_every_kind_of_an_interleaved_file():
                                                (float("nan"), 0.47, False), (0.0, float("nan"), True)])
 def test_guard_kept_at_80_percent_of_the_base(value, base, kept):
     assert demo.guard_kept(value, base) is kept
+
+
+class LetterPolicy:
+    """Answers every question from its prompt text alone: ``letter`` for a multiple-choice question, or (with
+    ``letter=None``) the letter of the option that holds the correct text; counts are answered right."""
+
+    def __init__(self, letter):
+        self.letter = letter
+        self.cfg = SimpleNamespace(data=SimpleNamespace(prompt_template="{question}{options}"))
+
+    def generate(self, items):
+        texts = []
+        for item in items:
+            s = item["sample"]
+            answer = last = re.search(r"<answer>(.*)</answer>", s.solution).group(1)
+            if s.options:
+                answer = self.letter or last
+            texts.append(f"<think>x</think><answer>{answer}</answer>")
+        return RewardBatch(prompts=[it["prompt"] for it in items], group=torch.arange(len(items)),
+                           completions=texts, meta=[reward_meta(it["sample"]) for it in items])
+
+
+def test_circular_accuracy_gives_a_constant_letter_nothing_on_multiple_choice():
+    data = demo.REPO / "assets" / "data" / "shapes_qa"
+    samples = read_samples(data / "heldout.jsonl", data)[:12]  # colour, shape, count x 2, motion kinds x 2
+    items = [{"prompt": render_prompt(s, "{question}{options}"), "sample": s} for s in samples]
+    zoo = RewardZoo([RewardSpec(name="accuracy")])
+    counts = sum(not s.options for s in samples)
+    for letter, expected in (("A", counts / len(samples)), (None, 1.0)):
+        policy = LetterPolicy(letter)
+        batch = policy.generate(items)
+        _, logged, _ = zoo(batch)
+        assert demo.circular_accuracy(policy, zoo, items, batch, logged["accuracy"]) == pytest.approx(expected)
+    plain = zoo(LetterPolicy("A").generate(items))[1]["accuracy"].mean().item()
+    assert plain > counts / len(samples)  # "A" is right on some questions once, never under every rotation

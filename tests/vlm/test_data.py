@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.vlm.config import VLMDataConfig, VLMVideoConfig
-from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, render_prompt, reward_meta
+from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, render_prompt, reward_meta, rotate_options
 from mmgrpo.pipelines.vlm.synthetic import make_count_clip, make_motion_clip, write_tiny_dataset
 from mmgrpo.pipelines.vlm.video import decode_video
 from mmgrpo.rewards import AccuracyReward, RewardBatch
@@ -228,3 +228,30 @@ def test_clip_generators_are_pure():
     rows = [np.nonzero(f.sum(axis=(1, 2)))[0].mean() for f in a]
     assert all(b > c for b, c in itertools.pairwise(rows))  # moving up: the shape's mean row falls frame by frame
     assert np.array_equal(make_count_clip(3, frames=4, seed=1), make_count_clip(3, frames=4, seed=1))
+
+
+def test_rotate_options_moves_the_texts_and_the_answer_together():
+    s = VLMSample("What colour?", "multiple choice", ["A. red", "B. blue", "(C) green", "D: yellow"],
+                  "<answer>C</answer>", source="q.jsonl:3")
+    one = rotate_options(s, 1)
+    assert one.options == ["A. blue", "B. green", "C. yellow", "D. red"] and one.solution == "<answer>B</answer>"
+    assert rotate_options(s, 3).solution == "<answer>D</answer>"  # green moves down to D
+    assert rotate_options(s, 4) == rotate_options(s, 0)
+    assert rotate_options(s, 0).options == ["A. red", "B. blue", "C. green", "D. yellow"]
+    # every rotation puts the correct text under its letter, and over the n rotations the letter takes every value
+    letters = []
+    for k in range(4):
+        r = rotate_options(s, k)
+        letter = r.solution[len("<answer>")]
+        assert r.options[ord(letter) - ord("A")].endswith("green")
+        letters.append(letter)
+    assert sorted(letters) == ["A", "B", "C", "D"]
+    plain = VLMSample("Which way?", "multiple choice", ["left", "right"], "b")  # unlabelled, bare letter
+    assert rotate_options(plain, 1).options == ["A. right", "B. left"] and rotate_options(plain, 1).solution == "A"
+
+
+def test_rotate_options_rejects_a_solution_that_is_not_an_option_letter():
+    with pytest.raises(ValueError, match="q.jsonl:3: cannot rotate the options"):
+        rotate_options(VLMSample("How many?", "numerical", [], "<answer>3</answer>", source="q.jsonl:3"), 1)
+    with pytest.raises(ValueError, match="not one of the option letters"):
+        rotate_options(VLMSample("Q?", "multiple choice", ["A. x", "B. y"], "<answer>C</answer>"), 1)
