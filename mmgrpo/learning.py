@@ -39,10 +39,12 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "tempflow": ("flow", ["mode.name=tempflow", "mode.tempflow_candidates=[0,1,2,3]"]),
     "vlm_grpo": ("vlm", ["tgrpo.enabled=false"]),
     "vlm_tgrpo": ("vlm", ["tgrpo.enabled=true"]),
+    "vlm_maxrl": ("vlm", ["tgrpo.enabled=false", "grpo.advantage=max_rl", "reward_aggregation=gdpo"]),
 }
 """variant -> (demo, overrides of the demo preset). Every flow variant keeps the demo's rewards, group, lr and
 shared initial noise; only the rollout mode changes, each with its published defaults (Flow-GRPO trains the first
-90% of the steps, DanceGRPO a random 60% per sample). vlm_tgrpo also adds the temporal bonus reward."""
+90% of the steps, DanceGRPO a random 60% per sample). vlm_tgrpo also adds the temporal bonus reward; vlm_maxrl
+swaps GRPO's z-score advantages for MaxRL's, per reward (gdpo)."""
 
 
 def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, Any]:

@@ -437,10 +437,10 @@ class FlowPolicy(Policy):
         grad."""
         cfg_factor = self._cfg_factor(rollout.data["embeds"])
         reused = not rollout.weights_updated and "v_uncond" in rollout.data
-        counters = rollout.counters
-        counters["nfe/placeholder"] += 1
-        counters["nfe/train"] += (1 if reused else cfg_factor) + cfg_factor * int(with_kl)
-        counters["nfe/train_grad"] += int(torch.is_grad_enabled())
+        added = {"nfe/placeholder": 1, "nfe/train": (1 if reused else cfg_factor) + cfg_factor * int(with_kl),
+                 "nfe/train_grad": int(torch.is_grad_enabled())}
+        for key, value in added.items():
+            rollout.counters[key] = rollout.counters.get(key, 0.0) + value
 
     def _log_prob(self, data: dict[str, Any], rows: Tensor, units: Tensor, with_kl: bool,
                   sampling_weights: bool) -> tuple[Tensor, Tensor | None]:
