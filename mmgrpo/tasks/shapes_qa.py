@@ -9,10 +9,18 @@ Both tasks draw with the seeded generators of :mod:`mmgrpo.pipelines.vlm.synthet
   appear in the video?" (numerical, 1-4; the shapes appear one after the other, every 2 frames).
 
 Every item carries ``solution`` (``<answer>X</answer>``) and ``think``, the short reasoning of the SFT target
-``<think>{think}</think><answer>X</answer>``.
+``<think>{think}</think><answer>X</answer>``. The think text never starts with the answer's word, so the word is
+tokenised as in the options (``" green"``, not ``"green"``).
+
+Options are listed in a fixed vocabulary order (``VOCABULARY``: colours, then shapes, then directions), not
+shuffled: in colour, shape and direction questions a letter always names the same word (A is red in every colour
+question); order questions list their four shapes sorted the same way. With shuffled options the tiny shipped VLM
+learned no multiple-choice kind above chance within CPU budgets: it does not learn the look-up "which letter holds
+the word I named" (docs/demo.md). The answer words are uniform over their vocabularies, so every letter is right
+about equally often and always answering one letter scores about 1/n.
 
 Splits: item ``i`` of a kind is built from seed ``2*i`` in ``train`` and ``2*i + 1`` in ``heldout``. The held-out
-split is unseen seeds (fresh layouts, motions, timings and option orders) over the same colours and shapes; it is
+split is unseen seeds (fresh layouts, motions, timings and decoys) over the same colours and shapes; it is
 not compositional. :func:`write_split` materialises a split to ``{split}.jsonl`` plus PNG / MP4 files.
 """
 
@@ -43,9 +51,18 @@ FPS = 4
 MAX_COUNT = 4
 
 
-def _letters(choices: list[str], correct: str, rng: np.random.Generator) -> tuple[list[str], str]:
-    """Options ``["A. ...", ...]`` in a random order and the correct letter."""
-    order = [choices[i] for i in rng.permutation(len(choices))]
+VOCABULARY = (*COLOURS, *SHAPES, *DIRECTIONS)
+"""The order options are listed in: by colour, then shape ("red circle" before "red square" before "green circle");
+directions as in ``DIRECTIONS``."""
+
+
+def _vocabulary_rank(option: str) -> tuple[int, ...]:
+    return tuple(VOCABULARY.index(word) for word in option.split())
+
+
+def _letters(choices: list[str], correct: str) -> tuple[list[str], str]:
+    """Options ``["A. ...", ...]`` in ``VOCABULARY`` order and the letter of ``correct``."""
+    order = sorted(choices, key=_vocabulary_rank)
     return [f"{chr(65 + k)}. {c}" for k, c in enumerate(order)], chr(65 + order.index(correct))
 
 
@@ -63,12 +80,12 @@ def _image_item(kind: str, seed: int) -> dict:
     objects = random_scene(int(rng.integers(1, 4)), SIZE, seed=seed, distinct=True)
     target = objects[int(rng.integers(len(objects)))]
     if kind == "colour":
-        options, letter = _letters(list(COLOURS), target["colour"], rng)
+        options, letter = _letters(list(COLOURS), target["colour"])
         return _item(kind, f"What colour is the {target['shape']}?", options, letter,
-                     f"{target['colour']} {target['shape']}", {"objects": objects})
-    options, letter = _letters(list(SHAPES), target["shape"], rng)
+                     f"the {target['shape']} is {target['colour']}", {"objects": objects})
+    options, letter = _letters(list(SHAPES), target["shape"])
     return _item(kind, f"What shape is the {target['colour']} object?", options, letter,
-                 f"{target['colour']} {target['shape']}", {"objects": objects})
+                 f"the {target['colour']} object is a {target['shape']}", {"objects": objects})
 
 
 def _video_item(kind: str, seed: int) -> dict:
@@ -76,7 +93,7 @@ def _video_item(kind: str, seed: int) -> dict:
     if kind == "direction":
         direction = str(rng.choice(list(DIRECTIONS)))
         colour, shape = str(rng.choice(list(COLOURS))), str(rng.choice(SHAPES))
-        options, letter = _letters(list(DIRECTIONS), direction, rng)
+        options, letter = _letters(list(DIRECTIONS), direction)
         return _item(kind, f"Which direction does the {colour} {shape} move?", options, letter,
                      f"it moves {direction}", {"direction": direction, "colour": colour, "shape": shape, "seed": seed})
     if kind == "order":
@@ -84,9 +101,9 @@ def _video_item(kind: str, seed: int) -> dict:
         names = [f"{o['colour']} {o['shape']}" for o in objects]
         absent = [f"{c} {s}" for c in COLOURS for s in SHAPES if f"{c} {s}" not in names]
         decoys = [absent[i] for i in rng.choice(len(absent), 2, replace=False)]
-        options, letter = _letters(names + decoys, names[0], rng)
+        options, letter = _letters(names + decoys, names[0])
         starts = [int(rng.choice([0, 2])), 4]
-        return _item(kind, "Which shape appears first?", options, letter, f"{names[0]} first",
+        return _item(kind, "Which shape appears first?", options, letter, f"the {names[0]} comes first",
                      {"objects": objects, "starts": starts})
     n = int(rng.integers(1, MAX_COUNT + 1))
     objects = random_scene(n, SIZE, seed=seed)

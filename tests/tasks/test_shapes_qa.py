@@ -10,7 +10,7 @@ from mmgrpo.pipelines.vlm.data import read_samples
 from mmgrpo.registry import TASKS
 from mmgrpo.rewards import AccuracyReward, RewardBatch
 from mmgrpo.tasks import shapes_qa
-from mmgrpo.tasks.shapes_qa import write_split
+from mmgrpo.tasks.shapes_qa import SPLITS, write_split
 
 DATA = Path(__file__).resolve().parents[2] / "assets" / "data" / "shapes_qa"
 TASK_NAMES = ("shapes_qa", "motion_qa")
@@ -50,12 +50,30 @@ def test_answers_are_in_the_video_r1_format(name):
             assert [o[:3] for o in it["options"]] == [f"{chr(65 + k)}. " for k in range(len(it["options"]))]
             assert answer in [o[0] for o in it["options"]]
             chosen = it["options"][ord(answer) - 65][3:]
-            assert chosen in it["think"]  # the reasoning names the right option
+            # the reasoning names the right option after a space, so it tokenises as in "A. green"
+            assert f" {chosen}" in it["think"]
         else:
             assert it["problem_type"] == "numerical" and 1 <= int(answer) <= shapes_qa.MAX_COUNT
         pixels = task.render(it)
         assert pixels.dtype == np.uint8
         assert pixels.shape == ((64, 64, 3) if name == "shapes_qa" else (shapes_qa.FRAMES, 64, 64, 3))
+
+
+@pytest.mark.parametrize("name", TASK_NAMES)
+@pytest.mark.parametrize("split", SPLITS)
+def test_options_follow_the_vocabulary_and_letters_are_near_uniform(name, split):
+    task = TASKS.get(name)
+    letters = {}
+    for it in task.items(split, 240):
+        if it["options"]:
+            texts = [o[3:] for o in it["options"]]
+            assert texts == sorted(texts, key=lambda t: [shapes_qa.VOCABULARY.index(w) for w in t.split()])
+            letters.setdefault(it["kind"], []).append(it["solution"][len("<answer>")])
+    assert letters
+    for kind, answers in letters.items():
+        n = len(task.item(kind, 0, split)["options"])
+        shares = [answers.count(chr(65 + k)) / len(answers) for k in range(n)]
+        assert 0.6 / n < min(shares) and max(shares) < 1.4 / n, (kind, shares)
 
 
 def test_written_split_reads_back_and_scores(tmp_path):
