@@ -36,8 +36,9 @@ def test_task_words_and_tags_are_single_tokens():
     from transformers import AutoProcessor
 
     tok = AutoProcessor.from_pretrained(ASSET, local_files_only=True).tokenizer
-    tokens = tok.convert_ids_to_tokens(tok("<think>red circle</think><answer>A</answer>")["input_ids"])
-    assert tokens == ["<think>", "red", "Ġcircle", "</think>", "<answer>", "A", "</answer>"]
+    tokens = tok.convert_ids_to_tokens(tok("<think>the circle is red</think><answer>A</answer>")["input_ids"])
+    assert tokens == ["<think>", "the", "Ġcircle", "Ġis", "Ġred", "</think>", "<answer>", "A", "</answer>"]
+    assert "Ġred" in tok.convert_ids_to_tokens(tok("A. red")["input_ids"])  # the think's word is the option's token
     assert tok.decode(tok("<think>4 shapes</think>")["input_ids"]) == "<think>4 shapes</think>"
 
 
@@ -61,8 +62,8 @@ def test_greedy_heldout_completions_have_the_think_answer_format():
 
 
 def test_grpo_raises_sampled_accuracy_on_fixed_questions(tmp_path):
-    """The demo preset's GRPO on 8 fixed training questions: sampled accuracy must rise (measured: 0.41 over steps
-    1-15, 0.61 over steps 36-50), i.e. the loss pushes the policy towards rewarded answers."""
+    """The demo preset's GRPO on 8 fixed training questions: sampled accuracy must rise (measured: 0.71 over steps
+    1-15, 0.95 over steps 36-50), i.e. the loss pushes the policy towards rewarded answers."""
     from mmgrpo.trainer import Trainer
 
     lines = (ROOT / "assets/data/shapes_qa/train.jsonl").read_text().splitlines()[:8]
