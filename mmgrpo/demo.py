@@ -73,7 +73,7 @@ DEMOS = {
     "flow": DemoSpec(preset="configs/flow/demo_shapes.yaml", asset="assets/tiny-sd3-shapes", task="ShapesT2I", metric="shapes_eval/score",
                      guard="diversity", stop_on_guard=True, samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
-                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=9.0),
+                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=12.0),
 }
 
 
@@ -99,8 +99,9 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
              circular: bool = False) -> tuple[dict[str, float], Any]:
     """Held-out metrics of ``policy``: the mean of every logged reward over ``samples_per_prompt`` samples per
     item, and the honesty measures: for flow diversity and the size/position distance, for vlm the answer
-    diversity of the multiple-choice items and, with ``circular``, their :func:`circular_accuracy`. Returns
-    (metrics, the sample batch)."""
+    diversity of the multiple-choice items and, with ``circular``, their :func:`circular_accuracy`. For vlm items
+    whose record names a ``kind`` (ShapesQA, MotionQA), also ``{metric}/{task}/{kind}``: the metric per kind.
+    Returns (metrics, the sample batch)."""
     expanded = [{**it, "seed": s} for it in items for s in range(spec.samples_per_prompt)]
     with torch.no_grad():
         batch = policy.generate(expanded)
@@ -122,6 +123,11 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
                   if canonical_problem_type(m.get("problem_type", "")) == "multiple choice"]
         metrics["answer_diversity"] = answer_diversity(
             [batch.completions[i] for i in choice], [ground_truth(batch.meta[i], i, "demo") for i in choice])
+        by_kind: dict[str, list[float]] = {}
+        for m, value in zip(batch.meta, logged[spec.metric].tolist()):
+            if "kind" in m:
+                by_kind.setdefault(f"{spec.metric}/{m.get('task', 'task')}/{m['kind']}", []).append(value)
+        metrics.update({name: sum(values) / len(values) for name, values in by_kind.items()})
         if circular:
             metrics["circular_accuracy"] = circular_accuracy(policy, zoo, items, batch, logged["accuracy"])
     return metrics, batch

@@ -37,14 +37,15 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "mixgrpo_flash": ("flow", ["mode.name=mixgrpo_flash"]),
     "branch": ("flow", ["mode.name=branch", "mode.split_points=[0,1,2]", "mode.branch_factor=2"]),
     "tempflow": ("flow", ["mode.name=tempflow", "mode.tempflow_candidates=[0,1,2,3]"]),
-    "vlm_grpo": ("vlm", ["tgrpo.enabled=false"]),
+    "vlm_grpo": ("vlm", ["tgrpo.enabled=false", "grpo.advantage=group_zscore", "reward_aggregation=weighted_sum"]),
+    "vlm_maxrl": ("vlm", ["tgrpo.enabled=false"]),
     "vlm_tgrpo": ("vlm", ["tgrpo.enabled=true"]),
-    "vlm_maxrl": ("vlm", ["tgrpo.enabled=false", "grpo.advantage=max_rl", "reward_aggregation=gdpo"]),
 }
 """variant -> (demo, overrides of the demo preset). Every flow variant keeps the demo's rewards, group, lr and
 shared initial noise; only the rollout mode changes, each with its published defaults (Flow-GRPO trains the first
-90% of the steps, DanceGRPO a random 60% per sample). vlm_tgrpo also adds the temporal bonus reward; vlm_maxrl
-swaps GRPO's z-score advantages for MaxRL's, per reward (gdpo)."""
+90% of the steps, DanceGRPO a random 60% per sample). vlm_maxrl is the VLM demo preset (MaxRL advantages per
+reward); vlm_grpo swaps them for GRPO's z-score of the weighted sum; vlm_tgrpo adds T-GRPO's temporal bonus reward
+to the preset."""
 
 
 def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, Any]:

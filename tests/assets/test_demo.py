@@ -58,6 +58,8 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     assert "| accuracy |" in report and (tmp_path / "reward_curve.png").stat().st_size > 1000
     assert "| answer_diversity |" in report and "`answer_diversity`" in report
     assert "| circular_accuracy |" in report
+    for kind in ("colour", "shape", "count"):  # the first 3 held-out questions, one per image kind
+        assert f"| accuracy/shapes_qa/{kind} |" in report
     assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
 
 
