@@ -11,7 +11,8 @@ Honesty rules:
   the distance of object sizes and positions from the data. VLM: the answer diversity of the multiple-choice
   questions (``answer_diversity``: answering one letter everywhere games accuracy on questions the base gets
   below chance) and CircularEval accuracy (``circular_accuracy``: a multiple-choice question counts only if it is
-  answered right under every rotation of its options, which no letter prior survives).
+  answered right under every rotation of its options, which no letter prior survives), and accuracy per kind of
+  question (``accuracy/{task}/{kind}``).
 - A snapshot counts only if its validation guard measure (``DemoSpec.guard``: sample diversity for flow,
   answer diversity for vlm) is within 20% of the base model's. Flow stops training at the first check that
   fails; the VLM keeps training and passes over failing snapshots, because its answer prior drifts back and forth.
@@ -302,8 +303,10 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
                   "is conditioned on.\n" if math.isfinite(before[spec.guard]) else
                   f"`{spec.guard}` is not measurable on this held-out set, so no gain is conditioned on it.\n")
     circular_note = ("`circular_accuracy` asks every multiple-choice question again under each rotation of its "
-                     "options and counts it only if all are answered right; a gain in `accuracy` that it does not "
-                     "share comes from where the answer letters sit, not from the images.\n"
+                     "options and counts it only if all are answered right, so an answer-letter habit gains nothing "
+                     "there. A model trained on options in one fixed order (the shipped ShapesQA/MotionQA model) "
+                     "never learned to read rotated ones and scores only its numeric questions there; then "
+                     "`answer_diversity` and the per-kind rows show whether a gain is a letter habit.\n"
                      if "circular_accuracy" in before else "")
     rows = "\n".join(f"| {name} | {b:.3f} | {a:.3f} | {a - b:+.3f} |"
                      for name, b, a in table_rows(before, after, spec.metric))
