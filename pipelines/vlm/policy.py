@@ -351,7 +351,7 @@ class VLMPolicy(Policy):
         if len(batch) and self.cfg.rewards:
             try:
                 self._zoo = self._zoo or RewardZoo(self.cfg.rewards)
-                _, scores, _ = self._zoo(batch)
+                _, scores, _ = self._zoo(batch, only=self._zoo.evaluation_names)
             except (ValueError, RewardError) as err:  # e.g. free prompts without ground truth
                 note = f"Rewards not computed: {err}\n\n"
         lines = [f"# {tag}\n", f"{len(batch)} samples.\n", note]

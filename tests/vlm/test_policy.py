@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_vlm import DATA, RANDOM_TINY_VLM
 
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.grpo import ppo_clip_loss
@@ -19,7 +20,6 @@ from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy
 from mmgrpo.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "assets" / "data" / "vlm_tiny"
 SHORT = ["data.prompt_template='{question}{options}'", "generation.max_new_tokens=6", "train.group_size=3",
          "train.micro_batch_size=2", "train.prompts_per_step=2", "generation.mask_truncated=true",
          "logging.progress=false"]
@@ -37,9 +37,8 @@ def one_thread():
 def config(tmp_path: Path, preset: str = "tiny_image", overrides: tuple[str, ...] = (), varied: bool = False):
     """A tiny preset with short prompts and completions; ``varied`` swaps the format reward (0 for a random model)
     for a length reward, so rewards differ within groups and updates move the weights."""
-    paths = [f"data.train_file={DATA / 'train.jsonl'}", f"data.eval_file={DATA / 'eval.jsonl'}", f"data.root={DATA}",
-             f"output_dir={tmp_path / 'run'}"]
-    cfg = load_config(ROOT / "configs" / "vlm" / f"{preset}.yaml", paths + SHORT + list(overrides))
+    cfg = load_config(ROOT / "configs" / "vlm" / f"{preset}.yaml",
+                      [*RANDOM_TINY_VLM, f"output_dir={tmp_path / 'run'}", *SHORT, *overrides])
     if varied:
         cfg.rewards[0] = RewardSpec(name="length", args={"min_len": 40, "max_len": 80})
     return cfg

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_vlm import RANDOM_TINY_VLM
 
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.pipelines.vlm import tgrpo
@@ -116,7 +117,6 @@ def test_reward_rejects_bad_args():
 
 # ----------------------------------------------------------------------------------------------- in the rollout
 ROOT = Path(__file__).resolve().parents[2]
-DATA = ROOT / "assets" / "data" / "vlm_tiny"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,8 +130,8 @@ def one_thread():
 
 def video_config(tmp_path, *overrides):
     return load_config(ROOT / "configs" / "vlm" / "tiny_video_tgrpo.yaml", [
-        f"data.train_file={DATA / 'train.jsonl'}", f"data.eval_file={DATA / 'eval.jsonl'}", f"data.root={DATA}",
-        f"output_dir={tmp_path}", "data.prompt_template='{question}{options}'", "generation.max_new_tokens=6",
+        *RANDOM_TINY_VLM, f"output_dir={tmp_path}", "data.prompt_template='{question}{options}'",
+        "generation.max_new_tokens=6",
         "train.group_size=3", "train.micro_batch_size=3", *overrides])
 
 
@@ -161,6 +161,17 @@ def test_rollout_fills_shuffled_accuracy_for_video_groups_only(policy):
     # the bonus reward reads it back: NaN for the image group
     bonus = build_reward("temporal_bonus", {"alpha": 0.3, "mu": 0.8})(rollout.reward_batch)
     assert torch.isnan(bonus[3:]).all() and not torch.isnan(bonus[:3]).any()
+
+
+def test_held_out_sample_files_leave_the_bonus_out_without_a_warning(policy, tmp_path):
+    _, held = policy.datasets()
+    with torch.no_grad():
+        batch = policy.generate(held[:2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (path,) = policy.save_samples(batch, tmp_path, "step-1")
+    text = path.read_text()
+    assert text.count("**Rewards**: ") == 2 and "accuracy" in text and "temporal_bonus" not in text
 
 
 def test_shuffled_rollouts_see_shuffled_frames_and_are_scored_with_accuracy(policy, monkeypatch):
