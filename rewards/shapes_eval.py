@@ -31,6 +31,9 @@ parsed from the prompt.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -168,6 +171,32 @@ def detect_objects(images: torch.Tensor) -> tuple[list[list[dict]], torch.Tensor
     return results, torch.tensor(stray, dtype=torch.float64)
 
 
+class SharedDetections:
+    """:func:`detect_objects` of the last batch, shared by the ShapesT2I rewards: a zoo scores one batch with
+    several of them (concurrently, from its threads) and the detection is most of their cost, so it runs once per
+    batch. The cache holds a weak reference to ``batch.images`` and its version counter: another tensor, or the
+    same one modified in place, is detected again."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._images: weakref.ref | None = None
+        self._version = -1
+        self._result: tuple[list[list[dict]], torch.Tensor] | None = None
+
+    def __call__(self, batch: RewardBatch, reward: str) -> tuple[list[list[dict]], torch.Tensor]:
+        """:func:`detect_objects` of ``batch.images`` (checked as ``reward``'s input); the result is read-only."""
+        images = batch.images
+        with self._lock:
+            cached = self._images is not None and self._images() is images and images._version == self._version
+            if not cached:
+                self._result = detect_objects(images_or_raise(batch, reward))
+                self._images, self._version = weakref.ref(images), images._version
+            return self._result
+
+
+DETECTIONS = SharedDetections()
+
+
 def _spec(prompt: str, meta: dict) -> dict:
     return meta if "objects" in meta else parse_prompt(prompt)
 
@@ -213,7 +242,7 @@ class ShapesEval(Reward):
     modality = "image"
 
     def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
-        detections, stray = detect_objects(images_or_raise(batch, "shapes_eval"))
+        detections, stray = DETECTIONS(batch, "shapes_eval")
         rows = [judge(objs, float(s), _spec(p, m))
                 for objs, s, p, m in zip(detections, stray, batch.prompts, batch.meta)]
         return {k: torch.tensor([r[k] for r in rows], dtype=torch.float64) for k in ("score", *SUB_SCORES)}
@@ -229,7 +258,7 @@ class ShapesPartial(Reward):
     modality = "image"
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
-        detections, stray = detect_objects(images_or_raise(batch, "shapes_partial"))
+        detections, stray = DETECTIONS(batch, "shapes_partial")
         rows = [judge(objs, float(s), _spec(p, m))
                 for objs, s, p, m in zip(detections, stray, batch.prompts, batch.meta)]
         return torch.tensor([sum(r[k] for k in SUB_SCORES) / len(SUB_SCORES) for r in rows], dtype=torch.float64)
@@ -268,7 +297,7 @@ class ShapesLayout(Reward):
     modality = "image"
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
-        detections, _ = detect_objects(images_or_raise(batch, "shapes_layout"))
+        detections, _ = DETECTIONS(batch, "shapes_layout")
         margins = [relation_margin(objs, _spec(p, m)) for objs, p, m in zip(detections, batch.prompts, batch.meta)]
         return torch.tensor(margins, dtype=torch.float64)
 

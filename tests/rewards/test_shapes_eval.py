@@ -184,3 +184,27 @@ def test_partial_credit_is_the_mean_of_the_sub_scores(heldout):
     partial = REWARDS.build("shapes_partial")(batch)
     expected = torch.stack([sub[k] for k in ("count", "colour", "shape", "size", "position", "background")]).mean(0)
     assert torch.allclose(partial, expected) and partial[1] < 0.5 < partial[0]
+
+
+def test_the_three_rewards_detect_a_batch_once_and_a_changed_batch_again(heldout, monkeypatch):
+    import mmgrpo.rewards.shapes_eval as module
+    from mmgrpo.config import RewardSpec
+    from mmgrpo.rewards import RewardZoo
+
+    calls = []
+    real = module.detect_objects
+    monkeypatch.setattr(module, "detect_objects", lambda images: calls.append(len(images)) or real(images))
+    zoo = RewardZoo([RewardSpec(name=n) for n in ("shapes_eval", "shapes_partial", "shapes_layout")])
+    images, specs = heldout
+    images, specs = images[:8].clone(), specs[:8]
+    batch = RewardBatch(prompts=[s["prompt"] for s in specs], group=torch.arange(8), images=images, meta=specs)
+    _, first, _ = zoo(batch)
+    assert calls == [8] and first["shapes_eval/score"].sum() >= 7  # three rewards, concurrently, one detection
+    images[2] = 0.0  # in place: the cache must see it
+    _, second, _ = zoo(batch)
+    copy = RewardBatch(prompts=batch.prompts, group=batch.group, images=images.clone(), meta=specs)
+    _, third, _ = zoo(copy)  # another tensor with the same values
+    assert calls == [8, 8, 8]
+    assert second["shapes_eval/score"][2] == 0 and first["shapes_eval/score"][2] == 1
+    for key in second:
+        torch.testing.assert_close(second[key], third[key], rtol=0, atol=0, equal_nan=True)
