@@ -1,6 +1,6 @@
 """``mmgrpo bench flow-modes``: seconds per iteration, NFE and memory of every tiny flow preset.
 
-Every preset runs on the same tiny SD3, prompts, resolution, step count and group
+Every preset runs on the same model (the shipped ShapesT2I SD3), prompts, resolution, step count and group
 (``configs/flow/tiny_base.yaml``).
 
 Time: all presets live in one process and share one loaded model, and their iterations are interleaved

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_flow import RANDOM_TINY_SD3
 
 from mmgrpo.config import ConfigError, load_config
 from mmgrpo.pipelines.flow.config import FlowConfig
@@ -14,7 +15,7 @@ BASE = Path(__file__).resolve().parents[2] / "configs" / "flow" / "tiny_base.yam
 
 
 def config(*overrides):
-    return load_config(BASE, ["output_dir=/tmp/unused", *overrides])
+    return load_config(BASE, [*RANDOM_TINY_SD3, "output_dir=/tmp/unused", *overrides])
 
 
 def plan(overrides, iteration=0, groups=2, group_size=4, seed=0):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from random_flow import RANDOM_TINY_SD3
 
 from mmgrpo.config import ConfigError, load_config
 from mmgrpo.pipelines.flow.data import prompt_datasets
@@ -44,7 +45,7 @@ def at_repo_root(monkeypatch):
 
 def config(preset, tmp_path, *overrides):
     path = ROOT / "configs" / "flow" / f"{preset}.yaml"
-    return load_config(path, [*SMALL, f"output_dir={tmp_path}", *overrides])
+    return load_config(path, [*RANDOM_TINY_SD3, *SMALL, f"output_dir={tmp_path}", *overrides])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -156,7 +157,7 @@ def test_checkpoint_round_trip_keeps_weights_and_window_position(adapter, tmp_pa
 
     monkeypatch.setattr("mmgrpo.policy.build_policy", lambda c: FlowPolicy(c, adapter=adapter))
     preset = str(ROOT / "configs" / "flow" / "tiny_mixgrpo.yaml")
-    args = ["sample", preset, *SMALL, f"output_dir={tmp_path}", "resume=latest", "--prompt", "a red circle",
+    args = ["sample", preset, *RANDOM_TINY_SD3, *SMALL, f"output_dir={tmp_path}", "resume=latest", "--prompt", "a red circle",
             "--prompt", "a green cube"]
     assert main(args) == 0
     assert (tmp_path / "samples" / "sample.png").is_file()
