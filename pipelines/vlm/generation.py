@@ -1,10 +1,13 @@
-"""Group sampling: G completions of one prompt with the prompt prefilled once.
+"""Group sampling: G completions of a prompt with the prompt prefilled once.
 
-``generate_group`` runs the prompt (text + vision tokens, vision tower included) once at batch 1, repeats its KV
-cache to the G rows, and samples token by token; ``generate_group_naive`` prefills the prompt G times (what TRL
-does) and is kept as the benchmark baseline. Both share the decoding loop: temperature / top-k / top-p sampling
-from a ``torch.Generator``, vision special tokens (and embedding rows past the tokenizer) never sampled, M-RoPE
-positions continuing the prompt, and finished rows dropped from the batch.
+``generate_groups`` runs each prompt (text + vision tokens, vision tower included) once at batch 1, repeats its KV
+cache to the G rows, and samples token by token, with the groups of several prompts decoded together (up to
+``generation.batch_rows`` rows: their caches left-padded to a common length and the padding masked), so a step
+costs one model call per token instead of one per token and prompt. ``generate_group`` is one prompt;
+``generate_group_naive`` prefills the prompt G times (what TRL does) and is kept as the benchmark baseline. All
+share the decoding loop: temperature / top-k / top-p sampling from a ``torch.Generator``, vision special tokens
+(and embedding rows past the tokenizer) never sampled, M-RoPE positions continuing each row's prompt, and finished
+rows dropped from the batch.
 """
 
 from __future__ import annotations
@@ -42,20 +45,41 @@ class Completions:
     texts: list[str]
     logprobs: torch.Tensor
 
+    def rows(self, start: int, stop: int) -> Completions:
+        """Rows ``start:stop``, trimmed to their longest completion."""
+        width = max(int(self.mask[start:stop].sum(1).max()), 1)
+        return Completions(ids=self.ids[start:stop, :width], mask=self.mask[start:stop, :width],
+                           truncated=self.truncated[start:stop], texts=self.texts[start:stop],
+                           logprobs=self.logprobs[start:stop, :width])
+
 
 class BufferLayer(DynamicLayer):
     """A KV-cache layer that writes new tokens into a preallocated (B,H,capacity,D) buffer and returns views of it,
     instead of concatenating the whole cache at every step."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, rows: int, capacity: int):
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int):
         super().__init__()
-        length = keys.shape[-2]
-        self.key_buffer = keys.new_empty(rows, keys.shape[1], capacity, keys.shape[3])
-        self.value_buffer = values.new_empty(rows, values.shape[1], capacity, values.shape[3])
-        self.key_buffer[:, :, :length] = keys  # broadcasts a batch-1 prefix to the rows
-        self.value_buffer[:, :, :length] = values
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.key_buffer, self.value_buffer = key_buffer, value_buffer
+        self.dtype, self.device, self.is_initialized = key_buffer.dtype, key_buffer.device, True
         self._view(length)
+
+    @classmethod
+    def from_prefixes(cls, prefixes: list[tuple[torch.Tensor, torch.Tensor, int]], capacity: int) -> BufferLayer:
+        """One buffer for the rows of several prompts: each (keys, values, rows) prefix, keys (1 or rows,H,L,D), is
+        repeated to its rows and right-aligned at the end of the longest prefix, so every row appends at the same
+        column; the columns before a shorter prefix are zeros that the caller masks."""
+        length = max(keys.shape[-2] for keys, _, _ in prefixes)
+        keys0, values0, _ = prefixes[0]
+        total = sum(rows for _, _, rows in prefixes)
+        key_buffer = keys0.new_zeros(total, keys0.shape[1], capacity, keys0.shape[3])
+        value_buffer = values0.new_zeros(total, values0.shape[1], capacity, values0.shape[3])
+        row = 0
+        for keys, values, rows in prefixes:
+            start = length - keys.shape[-2]
+            key_buffer[row:row + rows, :, start:length] = keys  # broadcasts a batch-1 prefix to the rows
+            value_buffer[row:row + rows, :, start:length] = values
+            row += rows
+        return cls(key_buffer, value_buffer, length)
 
     def _view(self, length: int) -> None:
         self.length = length
@@ -124,17 +148,41 @@ def prefill(vlm: VLMModel, inputs: dict[str, torch.Tensor], rows: int, shared: b
     capacity = inputs["input_ids"].shape[1] + max_new_tokens
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
-            cache.layers[i] = BufferLayer(layer.keys, layer.values, rows, capacity)
+            cache.layers[i] = BufferLayer.from_prefixes([(layer.keys, layer.values, rows)], capacity)
         elif shared:
             layer.batch_repeat_interleave(rows)
     logits = out.logits[:, -1].float().expand(rows, -1)
     return logits, cache, positions[..., -1:] + 1
 
 
+def stack_prefills(prefills: list[tuple[torch.Tensor, object, torch.Tensor]], max_new_tokens: int):
+    """The :func:`prefill` outputs of several prompts as one batch: (logits (B,V), cache with every prompt's rows,
+    next positions (lead,B,1), attention mask (B,capacity) that hides the left padding of shorter prompts). None
+    when a cache layer is not a :class:`BufferLayer` (sliding-window layers cannot be left-padded)."""
+    caches = [cache for _, cache, _ in prefills]
+    if not all(type(layer) is BufferLayer for cache in caches for layer in cache.layers):
+        return None
+    length = max(cache.layers[0].length for cache in caches)
+    capacity = length + max_new_tokens
+    merged = caches[0]
+    for i in range(len(merged.layers)):
+        merged.layers[i] = BufferLayer.from_prefixes(
+            [(c.layers[i].keys, c.layers[i].values, c.layers[i].keys.shape[0]) for c in caches], capacity)
+    logits = torch.cat([lg for lg, _, _ in prefills])
+    positions = torch.cat([nxt.expand(-1, len(lg), -1) for lg, _, nxt in prefills], dim=1)
+    attention = torch.ones(len(logits), capacity, dtype=torch.long, device=logits.device)
+    row = 0
+    for lg, cache, _ in prefills:
+        attention[row:row + len(lg), :length - cache.layers[0].length] = 0
+        row += len(lg)
+    return logits, merged, positions, attention
+
+
 @torch.no_grad()
 def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tensor, cfg: VLMGenerationConfig,
-           generator: torch.Generator | None) -> Completions:
-    """Sample from the prefill ``logits`` (G,V) on, feeding each token back through ``cache``; rows stop at EOS
+           generator: torch.Generator | None, attention_mask: torch.Tensor | None = None) -> Completions:
+    """Sample from the prefill ``logits`` (B,V) on, feeding each token back through ``cache`` at ``next_position``
+    (lead,1 or B,1) onwards; ``attention_mask`` (B,capacity) hides cache columns (left padding). Rows stop at EOS
     (and leave the batch) or at ``cfg.max_new_tokens``."""
     group, vocab = logits.shape
     device = logits.device
@@ -148,6 +196,8 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
     finished = torch.zeros(group, dtype=torch.bool, device=device)
     alive = torch.arange(group, device=device)
     lead = next_position.shape[0]
+    position = next_position.expand(lead, group, 1)
+    prefix = cache.get_seq_length()
     cache_name = cache_argument(base_class(vlm.model))
     for t in range(limit):
         token = sample_tokens(logits, suppress, cfg, generator)
@@ -160,13 +210,14 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
             if done.all():
                 break
             keep = (~done).nonzero()[:, 0]
-            alive, token = alive[keep], token[keep]
+            alive, token, position = alive[keep], token[keep], position[:, keep]
+            attention_mask = None if attention_mask is None else attention_mask[keep]
             cache.batch_select_indices(keep)
         if t == limit - 1:
             break
-        position = (next_position + t).expand(lead, len(alive), 1)
-        logits = vlm.model(input_ids=token[:, None], position_ids=position if lead == 3 else position[0],
-                           use_cache=True, **{cache_name: cache}).logits[:, -1].float()
+        extra = {} if attention_mask is None else {"attention_mask": attention_mask[:, :prefix + t + 1]}
+        logits = vlm.model(input_ids=token[:, None], position_ids=position + t if lead == 3 else position[0] + t,
+                           use_cache=True, **{cache_name: cache}, **extra).logits[:, -1].float()
     width = int(lengths.max())
     mask = torch.arange(width, device=device) < lengths[:, None]
     ids = tokens[:, :width]
@@ -188,12 +239,32 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
+def generate_groups(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], group_size: int,
+                    gen_cfg: VLMGenerationConfig, generator: torch.Generator | None = None) -> list[Completions]:
+    """``group_size`` completions of each prompt (batch-1 ``inputs`` from ``VLMModel.prompt_inputs``): each prompt
+    and its vision inputs prefilled once with the KV cache shared across its group, and the groups decoded
+    together, ``gen_cfg.batch_rows`` rows at a time (0: one group at a time; a group is never split)."""
+    per_call = max(1, gen_cfg.batch_rows // group_size)
+    out = []
+    with eval_mode(vlm.model):
+        for start in range(0, len(prompts), per_call):
+            prefills = [prefill(vlm, inputs, group_size, True, gen_cfg.max_new_tokens)
+                        for inputs in prompts[start:start + per_call]]
+            stacked = stack_prefills(prefills, gen_cfg.max_new_tokens) if len(prefills) > 1 else None
+            if stacked is not None:
+                logits, cache, positions, attention = stacked
+                decoded = [decode(vlm, logits, cache, positions, gen_cfg, generator, attention)]
+            else:
+                decoded = [decode(vlm, *p, gen_cfg, generator) for p in prefills]
+            for batch in decoded:
+                out += [batch.rows(r, r + group_size) for r in range(0, len(batch.texts), group_size)]
+    return out
+
+
 def generate_group(vlm: VLMModel, inputs: dict[str, torch.Tensor], group_size: int, gen_cfg: VLMGenerationConfig,
                    generator: torch.Generator | None = None) -> Completions:
-    """``group_size`` completions of one prompt (batch-1 ``inputs`` from ``VLMModel.prompt_inputs``), the prompt
-    and its vision inputs prefilled once and the KV cache shared across the group."""
-    with eval_mode(vlm.model):
-        return decode(vlm, *prefill(vlm, inputs, group_size, True, gen_cfg.max_new_tokens), gen_cfg, generator)
+    """``group_size`` completions of one prompt (:func:`generate_groups`)."""
+    return generate_groups(vlm, [inputs], group_size, gen_cfg, generator)[0]
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """The VLM / video reasoning GRPO policy (``pipeline: vlm``).
 
 One rollout, per prompt: decode its images and videos once (:class:`MediaCache`, cleared every rollout), encode the
-prompt once, sample G completions with the prefill shared across the group (:func:`generate_group`), and, with
-T-GRPO, G' more on shuffled frames that are scored but never trained (:mod:`.tgrpo`). Old log-probs are then
+prompt once, sample G completions with the prefill shared across the group and the groups of a rollout decoded
+together (:func:`generate_groups`), and, with T-GRPO, G' more on shuffled frames that are scored but never trained (:mod:`.tgrpo`). Old log-probs are then
 computed by :func:`token_logprobs`, the training forward (Prefix Grouper included when it is on), in the training
 chunking (consecutive rows in ``train.micro_batch_size`` chunks), so the first ratio is exactly 1.
 
@@ -26,7 +26,7 @@ from mmgrpo.grpo import kl_estimate
 from mmgrpo.pipelines.vlm import tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
 from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, render_prompt, reward_meta
-from mmgrpo.pipelines.vlm.generation import generate_group, scoring_temperature
+from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
@@ -93,6 +93,8 @@ def check_config(cfg: VLMConfig) -> None:
         raise ConfigError(f"bad value '{gen.backend}' for 'generation.backend': expected hf (or vllm, planned)")
     if gen.max_new_tokens < 1:
         raise ConfigError(f"bad value for 'generation.max_new_tokens': must be >= 1, got {gen.max_new_tokens}")
+    if gen.batch_rows < 0:
+        raise ConfigError(f"bad value for 'generation.batch_rows': must be >= 0, got {gen.batch_rows}")
     if gen.eval_temperature < 0 or gen.temperature < 0:
         raise ConfigError("bad value for 'generation.temperature': temperatures must be >= 0")
     if cfg.data.on_bad_media not in BAD_MEDIA_POLICIES:
@@ -236,8 +238,8 @@ class VLMPolicy(Policy):
         ids, masks, truncated, texts, meta, prompts = [], [], [], [], [], []
         ordered_acc, shuffled_acc = [], []
         rollout_tokens = 0
-        for p in prepared:
-            out = generate_group(self.vlm, p.inputs, group_size, cfg.generation, generator)
+        completions = generate_groups(self.vlm, [p.inputs for p in prepared], group_size, cfg.generation, generator)
+        for p, out in zip(prepared, completions):
             rollout_tokens += int(out.mask.sum())
             base = p.meta()
             if self.accuracy is not None and p.videos:
@@ -334,14 +336,15 @@ class VLMPolicy(Policy):
         generator, _ = self._generators()
         gen_cfg = replace(self.cfg.generation, temperature=self.cfg.generation.eval_temperature)
         prompts, texts, meta = [], [], []
-        for item in items:
-            p = self._try_prepare(item, counters)
-            if p is None:
-                continue
-            out = generate_group(self.vlm, p.inputs, 1, gen_cfg, generator)
-            prompts.append(item["prompt"])
-            texts += out.texts
-            meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
+        per_call = max(1, gen_cfg.batch_rows)  # prepared (decoded) media are held for one call's items only
+        for start in range(0, len(items), per_call):
+            prepared = [p for p in (self._try_prepare(item, counters) for item in items[start:start + per_call])
+                        if p is not None]
+            for p, out in zip(prepared, generate_groups(self.vlm, [p.inputs for p in prepared], 1, gen_cfg,
+                                                        generator)):
+                prompts.append(p.item["prompt"])
+                texts += out.texts
+                meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
         return RewardBatch(prompts=prompts, group=torch.arange(len(prompts)), completions=texts, meta=meta)
 
     def save_samples(self, batch: RewardBatch, directory: Path, tag: str) -> list[Path]:

@@ -1,11 +1,17 @@
 """Group sampling: vision tokens suppressed, EOS / truncation, reproducibility, shared prefill == per-row prefill,
-and decode positions (M-RoPE) that agree with a full forward."""
+decode positions (M-RoPE) that agree with a full forward, and several prompts decoded together == one by one."""
 
 import pytest
 import torch
 
 from mmgrpo.pipelines.vlm.config import VLMGenerationConfig, VLMModelConfig
-from mmgrpo.pipelines.vlm.generation import generate_group, generate_group_naive, prefill, sample_tokens
+from mmgrpo.pipelines.vlm.generation import (
+    generate_group,
+    generate_group_naive,
+    generate_groups,
+    prefill,
+    sample_tokens,
+)
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
 
@@ -136,3 +142,38 @@ def test_sample_tokens_filters():
     assert set(nucleus.tolist()) == {4}  # p(4) = 0.52 of the mass left after suppressing id 1
     free = sample_tokens(logits, torch.tensor([], dtype=torch.long), VLMGenerationConfig(temperature=2.0), seeded(0))
     assert set(free.tolist()) == {0, 1, 2, 3, 4}
+
+
+@pytest.fixture(scope="module")
+def prompts(vlm, video_prompt):
+    """Three prompts of different lengths (so the batch is left-padded): video + image, image, text only."""
+    image = torch.randint(0, 256, (3, 28, 56), dtype=torch.uint8, generator=seeded(2))
+    return [video_prompt, vlm.prompt_inputs("Which colour is it?", [image], [], []),
+            vlm.prompt_inputs("Count to three, slowly and carefully.", [], [], [])]
+
+
+def test_groups_decoded_together_equal_groups_decoded_alone(vlm, prompts):
+    lengths = {p["input_ids"].shape[1] for p in prompts}
+    assert len(lengths) == 3
+    greedy = VLMGenerationConfig(max_new_tokens=12, temperature=0.0)
+    alone = [generate_group(vlm, p, 3, greedy) for p in prompts]
+    for batch_rows in (9, 6):  # all three groups in one batch; two and one
+        together = generate_groups(vlm, prompts, 3, VLMGenerationConfig(max_new_tokens=12, temperature=0.0,
+                                                                         batch_rows=batch_rows))
+        for a, b in zip(alone, together):
+            assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and a.texts == b.texts
+            assert torch.equal(a.truncated, b.truncated) and (a.logprobs - b.logprobs).abs().max() < 1e-5
+
+
+def test_sampled_groups_decoded_together_score_like_the_full_forward(vlm, prompts):
+    """Every row's positions and padding mask are right: its tokens score as in one forward of [its prompt;
+    its completion]."""
+    cfg = VLMGenerationConfig(max_new_tokens=12, batch_rows=12)
+    outs = generate_groups(vlm, prompts, 4, cfg, seeded(9))
+    assert len(outs) == 3 and all(len(o.texts) == 4 for o in outs)
+    for p, out in zip(prompts, outs):
+        index = torch.zeros(4, dtype=torch.long)
+        with torch.no_grad():
+            full = token_logprobs(vlm.model, [p], out.ids, out.mask, index, False)
+        assert (full - out.logprobs).abs().max() < 1e-4
+        assert out.mask[:, -1].any()  # trimmed to the group's own longest completion

@@ -90,9 +90,9 @@ def test_old_logprobs_are_those_of_the_sampling_temperature(lora_policy, prefix_
     import mmgrpo.pipelines.vlm.policy as policy_module
 
     sampled = []
-    generate = policy_module.generate_group
-    monkeypatch.setattr(policy_module, "generate_group",
-                        lambda *args, **kwargs: sampled.append(generate(*args, **kwargs)) or sampled[-1])
+    generate = policy_module.generate_groups
+    monkeypatch.setattr(policy_module, "generate_groups",
+                        lambda *args, **kwargs: sampled.extend(generate(*args, **kwargs)) or sampled)
     policy = lora_policy
     monkeypatch.setattr(policy.cfg, "prefix_grouper", prefix_grouper)
     monkeypatch.setattr(policy.cfg, "generation", replace(policy.cfg.generation, temperature=0.6))
