@@ -2,9 +2,10 @@
 
 One rollout, per prompt: decode its images and videos once (:class:`MediaCache`, cleared every rollout), encode the
 prompt once, sample G completions with the prefill shared across the group and the groups of a rollout decoded
-together (:func:`generate_groups`), and, with T-GRPO, G' more on shuffled frames that are scored but never trained (:mod:`.tgrpo`). Old log-probs are then
-computed by :func:`token_logprobs`, the training forward (Prefix Grouper included when it is on), in the training
-chunking (consecutive rows in ``train.micro_batch_size`` chunks), so the first ratio is exactly 1.
+together (:func:`generate_groups`), and, with T-GRPO, G' more on shuffled frames that are scored but never trained
+(:mod:`.tgrpo`). Old log-probs are then computed by :func:`token_logprobs`, the training forward (Prefix Grouper
+included when it is on), in the training chunking (consecutive rows in ``train.micro_batch_size`` chunks), so the
+first ratio is exactly 1.
 
 A unit is a completion token: a rollout of N = prompts x G rows has (N, L) log-probs, L the longest completion.
 """
