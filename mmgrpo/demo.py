@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 GUARD_FLOOR = 0.8
@@ -191,8 +192,10 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     console = Console()
     start = time.perf_counter()
     flow = which == "flow"
+    # The trainer's bar counts train.max_steps, which the time budget cuts short; the demo shows its own bar over
+    # the budget instead.
     cfg = load_config(preset, [f"output_dir={out / 'run'}", "resume=null", "train.eval_every=0",
-                               "logging.progress=true", *spec.overrides])
+                               "logging.progress=false", *spec.overrides])
     trainer = Trainer(cfg)
     policy, zoo = trainer.policy, trainer.rewards
     items, val_items = trainer.eval_items, validation_items(trainer.train_items, spec.num_val)
@@ -209,16 +212,21 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     budget_s = 60.0 * (minutes if minutes is not None else spec.train_minutes)
     train_start = time.perf_counter()
     stop_reason = {"why": "step budget reached"}
+    bar = tqdm(total=round(budget_s), desc="train (time budget)", unit="s", dynamic_ncols=True,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
 
     def should_stop(step: int, row: dict[str, Any]) -> bool:
-        out_of_time = time.perf_counter() - train_start > budget_s
+        elapsed = time.perf_counter() - train_start
+        out_of_time = elapsed > budget_s
+        bar.n = min(round(elapsed), bar.total)
+        bar.set_postfix({"step": step, "reward": f"{row['reward/mean']:.3f}"})
         if step % spec.eval_every and not out_of_time:
             return False
         metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
         validations.append((step, metrics))
         guard = metrics[spec.guard]
         kept = guard_kept(guard, val_base[spec.guard])
-        console.print(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} "
+        bar.write(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} "
                       f"{guard:.2f}" + ("" if kept else " (below the guard floor)"))
         if not kept and spec.stop_on_guard:
             stop_reason["why"] = (f"early stop at step {step}: validation {spec.guard} {guard:.2f} fell below "
@@ -231,7 +239,8 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
             stop_reason["why"] = f"time budget of {budget_s / 60:.0f} minutes reached at step {step}"
         return out_of_time
 
-    history = trainer.train(should_stop=should_stop)
+    with bar:
+        history = trainer.train(should_stop=should_stop)
     policy.load(snapshot)
     after, after_batch = evaluate(policy, zoo, items, spec, flow, circular=True)
     total_minutes = (time.perf_counter() - start) / 60.0
