@@ -79,6 +79,9 @@ class VLMVideoConfig:
     """Per-frame pixel floor in units of 28x28 pixels."""
     image_max_pixels: int = 256
     """Per-image pixel budget in units of 28x28 pixels."""
+    image_min_pixels: int | None = None
+    """Per-image pixel floor in units of 28x28 pixels; None uses ``min_pixels``. Raising it upscales small images,
+    so the vision tower sees them through more patches (4 -> 16 merged tokens for a 64x64 image at 16)."""
     size_factor: int = 28
     """Frame and image sides are resized to multiples of this many pixels: the vision patch times the spatial merge
     (28 = 14 x 2 for Qwen2-VL and Qwen2.5-VL, 32 = 16 x 2 for Qwen3-VL). The budgets above stay in 28x28 units."""

@@ -28,7 +28,8 @@ from mmgrpo.config import ConfigError
 from .config import VLMVideoConfig
 
 PIXEL_UNIT = 28 * 28
-"""Pixels per unit of ``video.max_pixels``, ``video.min_pixels`` and ``video.image_max_pixels``."""
+"""Pixels per unit of ``video.max_pixels``, ``video.min_pixels``, ``video.image_max_pixels`` and
+``video.image_min_pixels``."""
 BACKENDS = ("auto", "decord", "pyav")
 
 
@@ -70,6 +71,14 @@ def check_video_config(cfg: VLMVideoConfig) -> None:
         if value < cfg.min_pixels or value * PIXEL_UNIT < cfg.size_factor ** 2:
             raise ConfigError(f"bad value for 'video.{key}': must be >= video.min_pixels ({cfg.min_pixels}) and "
                               f"hold one {cfg.size_factor}x{cfg.size_factor} patch, got {value}")
+    if cfg.image_min_pixels is not None and not 1 <= cfg.image_min_pixels <= cfg.image_max_pixels:
+        raise ConfigError(f"bad value for 'video.image_min_pixels': need 1 <= image_min_pixels <= "
+                          f"video.image_max_pixels ({cfg.image_max_pixels}), got {cfg.image_min_pixels}")
+
+
+def image_min_pixels(cfg: VLMVideoConfig) -> int:
+    """The per-image pixel floor in 28x28 units: ``image_min_pixels``, or ``min_pixels`` when that is None."""
+    return cfg.min_pixels if cfg.image_min_pixels is None else cfg.image_min_pixels
 
 
 def frame_count(duration_s: float, native_fps: float, total_frames: int, cfg: VLMVideoConfig) -> int:
@@ -264,7 +273,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 
 
 def load_image(path: str | os.PathLike, cfg: VLMVideoConfig) -> torch.Tensor:
-    """(3,H,W) uint8 RGB image resized by :func:`smart_size` to the budget ``[cfg.min_pixels,
+    """(3,H,W) uint8 RGB image resized by :func:`smart_size` to the budget ``[image_min_pixels(cfg),
     cfg.image_max_pixels] * PIXEL_UNIT`` and ``cfg.size_factor``.
 
     EXIF orientation is applied; transparency is composited over white; grey, palette, CMYK and 16-bit images
@@ -278,8 +287,8 @@ def load_image(path: str | os.PathLike, cfg: VLMVideoConfig) -> torch.Tensor:
             rgb = np.asarray(_to_rgb(ImageOps.exif_transpose(image)))
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
         raise MediaError(path, f"cannot read the image ({_reason(err)})") from err
-    size = smart_size(rgb.shape[0], rgb.shape[1], cfg.min_pixels * PIXEL_UNIT, cfg.image_max_pixels * PIXEL_UNIT,
-                      cfg.size_factor)
+    size = smart_size(rgb.shape[0], rgb.shape[1], image_min_pixels(cfg) * PIXEL_UNIT,
+                      cfg.image_max_pixels * PIXEL_UNIT, cfg.size_factor)
     return _resize(rgb[None], size)[0]
 
 
@@ -320,7 +329,7 @@ class MediaCache:
 
     def get_image(self, path: str | os.PathLike, cfg: VLMVideoConfig) -> torch.Tensor:
         """:func:`load_image`, cached per path and size settings."""
-        key = ("image", os.path.abspath(path), cfg.min_pixels, cfg.image_max_pixels, cfg.size_factor)
+        key = ("image", os.path.abspath(path), image_min_pixels(cfg), cfg.image_max_pixels, cfg.size_factor)
         return self._get(key, lambda: load_image(path, cfg))
 
     def stats(self) -> dict[str, int]:

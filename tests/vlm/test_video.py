@@ -183,6 +183,8 @@ def test_bad_video_config():
         decode_video(CLIPS[0], cfg(min_frames=20))
     with pytest.raises(ConfigError, match="'video.max_pixels'"):
         load_image(TINY / "images/count_00.png", cfg(max_pixels=1, size_factor=32))
+    with pytest.raises(ConfigError, match="'video.image_min_pixels'"):
+        load_image(TINY / "images/count_00.png", cfg(image_min_pixels=300))
 
 
 def test_load_image_modes_and_budget(tmp_path: Path):
@@ -201,6 +203,18 @@ def test_load_image_modes_and_budget(tmp_path: Path):
     Image.fromarray(np.zeros((1000, 500, 3), np.uint8)).save(tmp_path / "big.png")
     big = load_image(tmp_path / "big.png", cfg(image_max_pixels=16))
     assert big.shape == (3, 140, 84) and 140 * 84 <= 16 * 784  # 140x56 is further from 2:1
+
+
+def test_image_min_pixels_upscales_images_only(tmp_path: Path):
+    """A 64x64 image is 56x56 (4 units) by default; with image_min_pixels=16 it is 112x112, frames unchanged."""
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(tmp_path / "small.png")
+    assert load_image(tmp_path / "small.png", CFG).shape == (3, 56, 56)
+    up = cfg(image_min_pixels=16, max_pixels=4)
+    assert load_image(tmp_path / "small.png", up).shape == (3, 112, 112)
+    frames, _ = decode_video(CLIPS[0], up)
+    assert frames.shape[-2] * frames.shape[-1] <= 4 * 784
+    cache = MediaCache()
+    assert cache.get_image(tmp_path / "small.png", up).shape != cache.get_image(tmp_path / "small.png", CFG).shape
 
 
 def test_load_image_exif_orientation(tmp_path: Path):
