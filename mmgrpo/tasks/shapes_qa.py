@@ -21,17 +21,22 @@ about equally often and always answering one letter scores about 1/n.
 
 Splits: item ``i`` of a kind is built from seed ``2*i`` in ``train`` and ``2*i + 1`` in ``heldout``. The held-out
 split is unseen seeds (fresh layouts, motions, timings and decoys) over the same colours and shapes; it is
-not compositional. :func:`write_split` materialises a split to ``{split}.jsonl`` plus PNG / MP4 files.
+not compositional. :func:`write_split` materialises a split to ``{split}.jsonl`` plus PNG / MP4 files, and
+:func:`cached_split` does so once per machine for a ``data.train_file: task:...`` source.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from tqdm.auto import tqdm
 
 from mmgrpo.pipelines.vlm.synthetic import (
     COLOURS,
@@ -111,7 +116,7 @@ def _video_item(kind: str, seed: int) -> dict:
                  {"objects": objects, "starts": [2 * k for k in range(n)]})
 
 
-class _QATask:
+class QATask:
     """A registered QA task: ``items(split, n)`` specs and ``render(item)`` pixels."""
 
     name = ""
@@ -135,7 +140,7 @@ class _QATask:
         return [self.item(kind, i, split) for i in range(start, start + n) for kind in self.kinds]
 
 
-class ShapesQA(_QATask):
+class ShapesQA(QATask):
     """Image questions: colour of a shape, which shape, how many shapes."""
 
     name = "shapes_qa"
@@ -147,7 +152,7 @@ class ShapesQA(_QATask):
         return draw_scene(item["scene"]["objects"], SIZE)
 
 
-class MotionQA(_QATask):
+class MotionQA(QATask):
     """Clip questions: direction of motion, order of appearance, count over time."""
 
     name = "motion_qa"
@@ -169,7 +174,7 @@ MOTION_QA = TASKS.register("motion_qa", MotionQA())
 
 
 def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str, ...] = ("shapes_qa", "motion_qa"),
-                start: int = 0) -> int:
+                start: int = 0, progress: bool = False) -> int:
     """Write ``n`` items per kind of each task, from index ``start`` on (so two calls with disjoint index ranges give
     disjoint seeds), to ``out_dir/{split}.jsonl`` (Video-R1 records with the extra fields
     ``task``, ``kind``, ``think``, ``id``) and their media to ``out_dir/{split}/`` (PNG, H.264 MP4). Paths are
@@ -177,9 +182,12 @@ def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str
     out = Path(out_dir)
     (out / split).mkdir(parents=True, exist_ok=True)
     records = []
-    for name in tasks:
-        task = TASKS.get(name)
+    qa_tasks = [TASKS.get(name) for name in tasks]
+    bar = tqdm(total=n * sum(len(task.kinds) for task in qa_tasks), desc=f"writing the {split} split", unit="item",
+               disable=not progress)
+    for task in qa_tasks:
         for item in task.items(split, n, start):
+            bar.update()
             pixels = task.render(item)
             path = f"{split}/{item['id']}.{'png' if item['data_type'] == 'image' else 'mp4'}"
             if item["data_type"] == "image":
@@ -190,5 +198,37 @@ def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str
                             "options": item["options"], "solution": item["solution"], "path": path,
                             "data_type": item["data_type"], "task": item["task"], "kind": item["kind"],
                             "think": item["think"], "id": item["id"]})
+    bar.close()
     (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return len(records)
+
+
+def generator_version() -> str:
+    """12 hex digits of the SHA-256 of the code that draws the items (this module and the shape renderer)."""
+    from mmgrpo.pipelines.vlm import synthetic
+
+    digest = hashlib.sha256(Path(__file__).read_bytes() + Path(synthetic.__file__).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def cached_split(cache_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str, ...], start: int = 0) -> Path:
+    """The folder holding ``write_split(folder, split, n, tasks, start)``, written once under ``cache_dir``.
+
+    The folder name holds the arguments and :func:`generator_version`, so changed drawing code writes a new folder
+    instead of reusing stale media. The split is written to a temporary folder and renamed into place: an
+    interrupted write leaves nothing behind, and of two processes writing at once, one folder wins."""
+    cache = Path(cache_dir).expanduser()
+    folder = cache / f"{'+'.join(tasks)}-{split}-{start}-{n}-{generator_version()}"
+    if (folder / f"{split}.jsonl").is_file():
+        return folder
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=cache))
+    try:
+        write_split(tmp, split, n, tasks, start, progress=True)
+        os.replace(tmp, folder)
+    except OSError:
+        if not (folder / f"{split}.jsonl").is_file():  # not another process's finished copy: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

@@ -39,9 +39,19 @@ class VLMDataConfig:
 
     train_file: str = "???"
     """JSON or JSONL in the Video-R1 format (problem, problem_type, options, solution, path, data_type) or the
-    EasyR1 format (problem, answer, images, videos)."""
+    EasyR1 format (problem, answer, images, videos); or ``task:NAME[,NAME...]``, registered synthetic QA tasks
+    (``shapes_qa``, ``motion_qa``) whose train split is generated once into ``task_cache`` (``root`` unused)."""
     eval_file: str | None = None
-    """Held-out file in the same formats; None holds out the last ``num_eval`` training samples."""
+    """Held-out file in the same formats, or ``task:NAME[,NAME...]`` (the tasks' held-out split, items 0 on, enough
+    per kind for ``num_eval``); None holds out the last ``num_eval`` training samples."""
+    task_items: int = 1000
+    """Items per kind of each task in a ``task:`` train_file."""
+    task_start: int = 0
+    """Index of the first item of a ``task:`` train_file (item i of a kind is drawn from seed 2i). Start after the
+    items a model was fine-tuned on to train on unseen ones: the shipped tiny VLM's SFT used items 0-1499."""
+    task_cache: str = "~/.cache/mmgrpo/tasks"
+    """Folder that generated ``task:`` splits are written to once and reused from (one subfolder per tasks, split,
+    range and generator version)."""
     root: str = "."
     """Folder that image and video paths are relative to."""
     num_eval: int = 32

@@ -11,11 +11,15 @@ first character, not the extension. The format is detected per record:
 A record with ``solution`` is Video-R1, one with ``answer`` (and no ``solution``) EasyR1. Media paths are resolved
 against the data root. Any other field is kept in :attr:`VLMSample.extra` and reaches the rewards through
 :func:`reward_meta`. Every problem raises ConfigError naming ``file:line``.
+
+A ``task:NAME[,NAME...]`` source (:func:`read_task_split`) is a split of registered synthetic QA tasks, written
+once to a cache folder in the Video-R1 format and read from there like any file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -186,6 +190,27 @@ def read_samples(path: str | os.PathLike, root: str | os.PathLike) -> list[VLMSa
         raise ConfigError(f"{name}: none of its {len(media)} image/video files exist (first: {media[0]}); check "
                           f"'data.root' ({os.path.abspath(root)})")
     return samples
+
+
+def read_task_split(source: str, split: str, n: int | None, start: int, cache_dir: str, key: str,
+                    total: int | None = None) -> list[VLMSample]:
+    """The samples of ``source`` (``task:NAME[,NAME...]``, registered synthetic QA tasks such as ``shapes_qa``):
+    ``n`` items per kind of each task from index ``start`` of ``split`` (or, with ``n`` None, the fewest per kind
+    that give ``total`` samples), generated once under ``cache_dir`` (:func:`mmgrpo.tasks.shapes_qa.cached_split`).
+    A name that is not a registered QA task raises ConfigError naming ``key``."""
+    from mmgrpo.registry import TASKS
+    from mmgrpo.tasks.shapes_qa import QATask, cached_split
+
+    names = tuple(name.strip() for name in source[len("task:"):].split(","))
+    qa_names = [name for name in TASKS.names() if isinstance(TASKS.get(name), QATask)]
+    for name in names:
+        if name not in qa_names:
+            raise ConfigError(f"bad value for '{key}': {name!r} is not a registered QA task (QA tasks: "
+                              f"{', '.join(qa_names)})")
+    if n is None:
+        n = math.ceil(total / sum(len(TASKS.get(name).kinds) for name in names))
+    folder = cached_split(cache_dir, split, n, names, start)
+    return read_samples(folder / f"{split}.jsonl", folder)
 
 
 def format_options(options: list[str]) -> str:

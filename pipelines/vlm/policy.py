@@ -26,7 +26,7 @@ from mmgrpo.config import ConfigError
 from mmgrpo.grpo import kl_estimate
 from mmgrpo.pipelines.vlm import tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
-from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, render_prompt, reward_meta
+from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, read_task_split, render_prompt, reward_meta
 from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
@@ -132,9 +132,9 @@ class VLMPolicy(Policy):
         """Items ``{"prompt", "sample"}`` from ``data.train_file`` and ``data.eval_file`` (or the last
         ``data.num_eval`` training samples); held-out items are capped at ``data.num_eval``."""
         d = self.cfg.data
-        train = self._read(d.train_file)
+        train = self._read(d.train_file, "train")
         if d.eval_file is not None:
-            held = self._read(d.eval_file)[:d.num_eval]
+            held = self._read(d.eval_file, "heldout")[:d.num_eval]
         else:
             if d.num_eval >= len(train):
                 raise ConfigError(f"bad value for 'data.num_eval': holding out {d.num_eval} of the {len(train)} "
@@ -143,10 +143,18 @@ class VLMPolicy(Policy):
         self.train_items = [self._item(s) for s in train]
         return self.train_items, [self._item(s) for s in held]
 
-    def _read(self, path: str) -> list[VLMSample]:
-        """The samples of ``path`` whose kind is in ``data.media_types``; none left is a ConfigError."""
-        kinds = self.cfg.data.media_types
-        samples = [s for s in read_samples(path, self.cfg.data.root) if media_type(s) in kinds]
+    def _read(self, path: str, split: str) -> list[VLMSample]:
+        """The samples of ``path`` (a file, or ``task:...`` generating ``split``) whose kind is in
+        ``data.media_types``; none left is a ConfigError."""
+        d = self.cfg.data
+        if path.startswith("task:"):
+            train = split == "train"
+            loaded = read_task_split(path, split, d.task_items if train else None, d.task_start if train else 0,
+                                     d.task_cache, "data.train_file" if train else "data.eval_file", d.num_eval)
+        else:
+            loaded = read_samples(path, d.root)
+        kinds = d.media_types
+        samples = [s for s in loaded if media_type(s) in kinds]
         if not samples:
             raise ConfigError(f"bad value for 'data.media_types': {path} has no samples of kinds {list(kinds)}")
         return samples

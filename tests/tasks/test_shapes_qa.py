@@ -101,3 +101,41 @@ def test_shipped_data_matches_the_generator_and_is_small():
         assert [r["id"] for r in rows] == [it["id"] for it in expected]
         assert [r["solution"] for r in rows] == [it["solution"] for it in expected]
         assert all((DATA / r["path"]).is_file() for r in rows)
+
+
+def test_task_source_is_written_once_and_read_like_a_file(tmp_path, monkeypatch):
+    """``data.train_file: task:shapes_qa,motion_qa``: the split is generated into the cache once, then reused."""
+    from mmgrpo.config import ConfigError
+    from mmgrpo.pipelines.vlm.data import read_task_split
+
+    samples = read_task_split("task:shapes_qa,motion_qa", "train", 2, 5, str(tmp_path), "data.train_file")
+    assert len(samples) == 12 and samples[0].extra["id"] == "shapes_qa-colour-train-0005"
+    expected = TASKS.get("shapes_qa").items("train", 2, 5)[0]
+    assert samples[0].solution == expected["solution"] and samples[0].images[0].is_file()
+    [folder] = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert folder.name.endswith(shapes_qa.generator_version()) and not list(tmp_path.glob(".*"))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the cached split was written again")
+
+    monkeypatch.setattr(shapes_qa, "write_split", fail)
+    again = read_task_split("task:shapes_qa,motion_qa", "train", 2, 5, str(tmp_path), "data.train_file")
+    assert [s.extra["id"] for s in again] == [s.extra["id"] for s in samples]
+    with pytest.raises(AssertionError):  # another range is another folder
+        read_task_split("task:shapes_qa", "train", 2, 0, str(tmp_path), "data.train_file")
+    monkeypatch.undo()
+    held = read_task_split("task:shapes_qa", "heldout", None, 0, str(tmp_path), "data.eval_file", total=7)
+    assert len(held) == 9  # 3 per kind: the fewest that give 7
+    with pytest.raises(ConfigError, match="'data.train_file': 'shapes_t2i' is not a registered QA task"):
+        read_task_split("task:shapes_t2i", "train", 2, 0, str(tmp_path), "data.train_file")
+
+
+def test_interrupted_task_split_leaves_no_folder(tmp_path, monkeypatch):
+    def broken(out_dir, *args, **kwargs):
+        (Path(out_dir) / "train").mkdir()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(shapes_qa, "write_split", broken)
+    with pytest.raises(OSError, match="disk full"):
+        shapes_qa.cached_split(tmp_path, "train", 2, ("shapes_qa",))
+    assert list(tmp_path.iterdir()) == []
