@@ -161,6 +161,8 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--vision-depth", type=int, default=2, help="vision tower layers")
     parser.add_argument("--vision-width", type=int, default=64, help="vision tower width")
+    parser.add_argument("--patch-size", type=int, default=14,
+                        help="vision patch pixels; the config's video.size_factor must be twice it")
     parser.add_argument("--pixel-std", type=float, default=0.5, help="processor pixel std (mean 0: black is 0)")
     parser.add_argument("--train-per-kind", type=int, default=240, help="shipped train items per kind (after the SFT items)")
     parser.add_argument("--heldout-per-kind", type=int, default=80, help="shipped held-out items per kind")
@@ -189,7 +191,7 @@ def main() -> None:
         monitor = [s for i, s in enumerate(samples) if i in held]
         build_tiny_vlm("qwen2_vl", Path(tmp) / "init", args.seed, hidden_size=args.hidden_size,
                        num_layers=args.num_layers, vision_depth=args.vision_depth,
-                       vision_width=args.vision_width, corpus=corpus(train, cfg), tags=TAGS, pixel_mean=(0.0,) * 3,
+                       vision_width=args.vision_width, patch_size=args.patch_size, corpus=corpus(train, cfg), tags=TAGS, pixel_mean=(0.0,) * 3,
                        pixel_std=(args.pixel_std,) * 3)
         vlm = VLMModel(VLMModelConfig(path=str(Path(tmp) / "init"), freeze_vision=False))
         log = sft(vlm, encode(vlm, train, cfg), targets(vlm, train), encode(vlm, monitor, cfg), monitor, cfg, args)

@@ -114,10 +114,10 @@ def build_tokenizer(corpus: Iterable[str] = (), tags: Sequence[str] = ()):
 
 
 def tiny_config(kind: str, token_ids: dict[str, int], vocab_size: int, hidden_size: int, num_layers: int,
-                vision_depth: int = 2, vision_width: int = 32):
+                vision_depth: int = 2, vision_width: int = 32, patch_size: int = 14):
     """Config of a language model with 4 query / 2 key-value heads (M-RoPE sections split head_dim/2 as 1:1.5:1.5
-    like the real 16:24:24) and a ``vision_depth``-layer, ``vision_width``-wide vision tower (2 heads) whose merger
-    outputs ``hidden_size``."""
+    like the real 16:24:24) and a ``vision_depth``-layer, ``vision_width``-wide vision tower (2 heads) on
+    ``patch_size``-pixel patches whose merger outputs ``hidden_size``."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     half = hidden_size // 8  # head_dim / 2 with 4 heads
@@ -134,21 +134,23 @@ def tiny_config(kind: str, token_ids: dict[str, int], vocab_size: int, hidden_si
            "vision_start_token_id": token_ids["<|vision_start|>"], "vision_end_token_id": token_ids["<|vision_end|>"]}
     if kind == "qwen2_vl":
         vision = {"depth": vision_depth, "embed_dim": vision_width, "hidden_size": hidden_size, "num_heads": 2,
-                  "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+                  "mlp_ratio": 2, "patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2}
         return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
     vision = {"depth": vision_depth, "hidden_size": vision_width, "intermediate_size": 2 * vision_width, "num_heads": 2,
-              "out_hidden_size": hidden_size, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "out_hidden_size": hidden_size, "patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "window_size": 56, "fullatt_block_indexes": [vision_depth - 1], "tokens_per_second": 2}
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
 
 
 def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hidden_size: int = 64,
-                   num_layers: int = 2, vision_depth: int = 2, vision_width: int = 32, corpus: Iterable[str] = (),
+                   num_layers: int = 2, vision_depth: int = 2, vision_width: int = 32, patch_size: int = 14,
+                   corpus: Iterable[str] = (),
                    tags: Sequence[str] = (), pixel_mean: Sequence[float] | None = None,
                    pixel_std: Sequence[float] | None = None) -> Path:
     """Write a tiny random ``kind`` ("qwen2_vl" or "qwen2_5_vl") checkpoint + processor to ``directory``.
     ``hidden_size`` (a multiple of 64) and ``num_layers`` size the language model (the benchmark uses wider),
-    ``vision_depth`` and ``vision_width`` the vision tower;
+    ``vision_depth``, ``vision_width`` and ``patch_size`` (pixels; 2x2 patches merge into one token, so set the
+    pipeline's ``video.size_factor`` to twice it) the vision tower;
     ``corpus`` and ``tags`` go to :func:`build_tokenizer`; ``pixel_mean`` / ``pixel_std`` (per RGB channel, pixels
     in 0..1) replace the processors' default CLIP normalisation."""
     from transformers import (
@@ -167,15 +169,17 @@ def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hi
     tokenizer = build_tokenizer(corpus, tags)
     token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = -(-len(tokenizer) // 16) * 16  # padded like the real checkpoints; rows past the tokenizer unused
-    config = tiny_config(kind, token_ids, vocab_size, hidden_size, num_layers, vision_depth, vision_width)
+    config = tiny_config(kind, token_ids, vocab_size, hidden_size, num_layers, vision_depth, vision_width, patch_size)
     with torch.random.fork_rng(devices=[]):  # leaves the caller's RNG stream untouched
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)
     model.generation_config.eos_token_id = [token_ids["<|im_end|>"], token_ids["<|endoftext|>"]]
     model.generation_config.pad_token_id = token_ids["<|endoftext|>"]
     norm = {"image_mean": list(pixel_mean), "image_std": list(pixel_std)} if pixel_mean and pixel_std else {}
-    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 256 * 28 * 28}, **norm)
-    video_processor = Qwen2VLVideoProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 128 * 28 * 28}, **norm)
+    image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 256 * 28 * 28},
+                                            patch_size=patch_size, **norm)
+    video_processor = Qwen2VLVideoProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 128 * 28 * 28},
+                                            patch_size=patch_size, **norm)
     processor_cls = Qwen2VLProcessor if kind == "qwen2_vl" else Qwen2_5_VLProcessor
     processor = processor_cls(image_processor=image_processor, tokenizer=tokenizer,
                               video_processor=video_processor, chat_template=CHAT_TEMPLATE)

@@ -119,6 +119,20 @@ def test_prompt_inputs_image_keeps_its_size(vlm):
     assert "pixel_values_videos" not in inputs
 
 
+def test_patch_size_sets_the_tower_and_the_processors(tmp_path):
+    folder = build_tiny_vlm("qwen2_vl", tmp_path / "p7", patch_size=7)
+    vlm = VLMModel(VLMModelConfig(path=str(folder)))
+    inputs = vlm.prompt_inputs("What colour?", [image(56, 56)], [video(4, 56, 56)])
+    assert inputs["image_grid_thw"].tolist() == [[1, 8, 8]]  # 7 px patches: 4x the tokens of 14 px ones
+    assert inputs["video_grid_thw"].tolist() == [[2, 8, 8]]
+    assert inputs["pixel_values"].shape[1] == 3 * 2 * 7 * 7
+    pads = int((inputs["input_ids"] == vlm.tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum())
+    assert pads == 64 // 4
+    with torch.no_grad():
+        logits = vlm.model(**inputs).logits
+    assert logits.shape[:2] == inputs["input_ids"].shape and torch.isfinite(logits).all()
+
+
 def test_prompt_inputs_video_and_fps(vlm):
     inputs = vlm.prompt_inputs("What happens?", [], [video(4, 56, 56)], video_fps=[4.0])
     assert inputs["video_grid_thw"].tolist() == [[2, 4, 4]]  # 4 frames -> 2 temporal patches
