@@ -339,10 +339,12 @@ class VLMPolicy(Policy):
     # ------------------------------------------------------------------------------------------------ eval
     def generate(self, items: list[dict]) -> RewardBatch:
         """One completion per item at ``generation.eval_temperature`` (0: greedy). Items without a ``sample``
-        (``mmgrpo sample --prompt``) are text-only; bad items are skipped (or stop the run) as in training."""
+        (``mmgrpo sample --prompt``) are text-only; bad items are skipped (or stop the run) as in training.
+        Sampling draws from a generator seeded by ``seed``, never from the global RNG: evaluating during training
+        leaves the training rollouts as they would have been, and every evaluation of a policy samples the same."""
         self.cache.clear()
         counters: dict[str, float] = defaultdict(float)
-        generator, _ = self._generators()
+        generator = torch.Generator(device=self.vlm.device).manual_seed(self.cfg.seed)
         gen_cfg = replace(self.cfg.generation, temperature=self.cfg.generation.eval_temperature)
         prompts, texts, meta = [], [], []
         per_call = max(1, gen_cfg.batch_rows)  # prepared (decoded) media are held for one call's items only

@@ -252,6 +252,23 @@ def test_generate_and_save_samples(lora_policy, tmp_path):
     assert "**Rewards**: format 0.000, accuracy" in text and held[0]["prompt"] in text
 
 
+def test_generate_leaves_the_global_rng_alone(lora_policy):
+    """Evaluation inside a run must not move the RNG the training rollouts draw from; sampled evaluations of one
+    policy repeat exactly."""
+    policy = lora_policy
+    _, held = policy.datasets()
+    before = policy.cfg.generation.eval_temperature
+    policy.cfg.generation.eval_temperature = 1.0
+    try:
+        state = torch.get_rng_state()
+        first = policy.generate(held[:3])
+        assert torch.equal(torch.get_rng_state(), state)
+        torch.manual_seed(123)  # a different global state changes nothing either
+        assert policy.generate(held[:3]).completions == first.completions
+    finally:
+        policy.cfg.generation.eval_temperature = before
+
+
 MOVE = ("generation.mask_truncated=false", "grpo.kl_beta=0.1", "grpo.kl_estimator=k1")
 """k1's gradient is 1 per token even at the reference, so one update moves the weights whatever the rewards."""
 
