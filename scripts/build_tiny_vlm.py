@@ -1,7 +1,8 @@
 """Build the shipped demo VLM and its data: ``assets/data/shapes_qa`` and ``assets/tiny-qwen2vl-shapes``.
 
 1. Writes the ShapesQA + MotionQA train and held-out splits (``mmgrpo.tasks.shapes_qa.write_split``); the shipped
-   train split (GRPO's questions) starts after the SFT items, so GRPO never trains on a question the SFT saw.
+   train split (GRPO's questions) starts after the SFT items, so GRPO never trains on a question the SFT saw, and
+   ``val.jsonl`` (the demo's validation questions, ``--val-per-kind``) after those, so neither trains on it.
 2. Builds a tiny random Qwen2-VL (``build_tiny_vlm``) whose tokenizer has byte-pair merges learned on the chat
    texts of the SFT items, so every word of the task (system prompt, questions, options, think text) is one token,
    and ``<think>``, ``</think>``, ``<answer>``, ``</answer>`` are single added tokens. Other text still encodes byte
@@ -165,6 +166,8 @@ def main() -> None:
                         help="vision patch pixels; the config's video.size_factor must be twice it")
     parser.add_argument("--pixel-std", type=float, default=0.5, help="processor pixel std (mean 0: black is 0)")
     parser.add_argument("--train-per-kind", type=int, default=240, help="shipped train items per kind (after the SFT items)")
+    parser.add_argument("--val-per-kind", type=int, default=32,
+                        help="shipped validation items per kind (train seeds after the GRPO items)")
     parser.add_argument("--heldout-per-kind", type=int, default=80, help="shipped held-out items per kind")
     parser.add_argument("--sft-per-kind", type=int, default=1500, help="train-split items per kind for the SFT")
     parser.add_argument("--monitor-per-kind", type=int, default=24, help="of those, kept out of the SFT")
@@ -179,6 +182,7 @@ def main() -> None:
     cfg = load_config(args.config)
     data = Path(args.data)
     write_split(data, "train", args.train_per_kind, start=args.sft_per_kind)
+    write_split(data, "train", args.val_per_kind, start=args.sft_per_kind + args.train_per_kind, name="val")
     write_split(data, "heldout", args.heldout_per_kind)
     with tempfile.TemporaryDirectory() as tmp:
         write_split(tmp, "train", args.sft_per_kind)

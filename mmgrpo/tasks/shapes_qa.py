@@ -174,13 +174,15 @@ MOTION_QA = TASKS.register("motion_qa", MotionQA())
 
 
 def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str, ...] = ("shapes_qa", "motion_qa"),
-                start: int = 0, progress: bool = False) -> int:
+                start: int = 0, progress: bool = False, name: str | None = None) -> int:
     """Write ``n`` items per kind of each task, from index ``start`` on (so two calls with disjoint index ranges give
-    disjoint seeds), to ``out_dir/{split}.jsonl`` (Video-R1 records with the extra fields
-    ``task``, ``kind``, ``think``, ``id``) and their media to ``out_dir/{split}/`` (PNG, H.264 MP4). Paths are
-    relative to ``out_dir``. Returns the number of records."""
+    disjoint seeds), to ``out_dir/{name}.jsonl`` (Video-R1 records with the extra fields
+    ``task``, ``kind``, ``think``, ``id``) and their media to ``out_dir/{name}/`` (PNG, H.264 MP4); ``name``
+    defaults to ``split`` (another name keeps a second range of one split apart, e.g. a validation set drawn from
+    ``train`` seeds). Paths are relative to ``out_dir``. Returns the number of records."""
     out = Path(out_dir)
-    (out / split).mkdir(parents=True, exist_ok=True)
+    name = name or split
+    (out / name).mkdir(parents=True, exist_ok=True)
     records = []
     qa_tasks = [TASKS.get(name) for name in tasks]
     bar = tqdm(total=n * sum(len(task.kinds) for task in qa_tasks), desc=f"writing the {split} split", unit="item",
@@ -189,7 +191,7 @@ def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str
         for item in task.items(split, n, start):
             bar.update()
             pixels = task.render(item)
-            path = f"{split}/{item['id']}.{'png' if item['data_type'] == 'image' else 'mp4'}"
+            path = f"{name}/{item['id']}.{'png' if item['data_type'] == 'image' else 'mp4'}"
             if item["data_type"] == "image":
                 Image.fromarray(pixels).save(out / path, optimize=True)
             else:
@@ -199,7 +201,7 @@ def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str
                             "data_type": item["data_type"], "task": item["task"], "kind": item["kind"],
                             "think": item["think"], "id": item["id"]})
     bar.close()
-    (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return len(records)
 
 

@@ -89,18 +89,30 @@ def test_written_split_reads_back_and_scores(tmp_path):
 
 def test_shipped_data_matches_the_generator_and_is_small():
     size = sum(f.stat().st_size for f in DATA.rglob("*") if f.is_file())
-    assert size < 4e6  # 3.2 MB: 1440 train + 480 held-out items; all of assets/ must stay under 30 MB
+    assert size < 4e6  # 3.7 MB: 1440 train + 192 validation + 480 held-out items; all of assets/ under 30 MB
     assets = sum(f.stat().st_size for f in DATA.parents[1].rglob("*") if f.is_file())
     assert assets < 30e6
-    # the GRPO train split starts after the items the shipped model was SFT'd on (scripts/build_tiny_vlm.py)
-    report = json.loads((DATA.parents[1] / "tiny-qwen2vl-shapes" / "sft_report.json").read_text())
-    for split, start in (("train", report["args"]["sft_per_kind"]), ("heldout", 0)):
-        rows = [json.loads(line) for line in (DATA / f"{split}.jsonl").read_text().splitlines()]
+    # the GRPO train split starts after the items the shipped model was SFT'd on, and the demo's validation
+    # questions after those (scripts/build_tiny_vlm.py)
+    args = json.loads((DATA.parents[1] / "tiny-qwen2vl-shapes" / "sft_report.json").read_text())["args"]
+    for name, split, start in (("train", "train", args["sft_per_kind"]),
+                               ("val", "train", args["sft_per_kind"] + args["train_per_kind"]),
+                               ("heldout", "heldout", 0)):
+        rows = [json.loads(line) for line in (DATA / f"{name}.jsonl").read_text().splitlines()]
         per_kind = len(rows) // 6
         expected = [it for name in TASK_NAMES for it in TASKS.get(name).items(split, per_kind, start)]
         assert [r["id"] for r in rows] == [it["id"] for it in expected]
         assert [r["solution"] for r in rows] == [it["solution"] for it in expected]
         assert all((DATA / r["path"]).is_file() for r in rows)
+
+
+def test_split_written_under_another_name_keeps_apart(tmp_path):
+    write_split(tmp_path, "train", 1)
+    assert write_split(tmp_path, "train", 1, start=3, name="val") == 6
+    train, val = (read_samples(tmp_path / f"{name}.jsonl", tmp_path) for name in ("train", "val"))
+    assert val[0].extra["id"] == "shapes_qa-colour-train-0003"
+    assert {p.parent.name for s in val for p in s.images + s.videos} == {"val"}
+    assert not {s.extra["id"] for s in train} & {s.extra["id"] for s in val}
 
 
 def test_task_source_is_written_once_and_read_like_a_file(tmp_path, monkeypatch):
