@@ -4,8 +4,8 @@ train with GRPO, evaluate again, and write ``report.md`` and ``demo.json``.
 Honesty rules:
 
 - The held-out prompts are scored twice only, before and after training; nothing is selected on them. During
-  training, a validation set of training prompts (never held-out ones) is scored every ``eval_every`` steps, and
-  the reported model is the validation-best snapshot.
+  training, a validation set (training prompts for flow, unseen questions of the training seeds for vlm; never
+  held-out ones) is scored every ``eval_every`` steps, and the reported model is the validation-best snapshot.
 - The report also gives what the training reward does not see. Flow: the held-out metric is the full ShapesT2I
   evaluator (colour, shape, count, position, size, background), plus the diversity of samples for one prompt and
   the distance of object sizes and positions from the data. VLM: the answer diversity of the multiple-choice
@@ -65,9 +65,14 @@ class DemoSpec:
     eval_every: int
     """Optimiser steps between validation evaluations during training."""
     num_val: int
-    """Training prompts in the validation set (scored with ``samples_per_prompt`` samples each)."""
+    """Prompts in the validation set (scored with ``samples_per_prompt`` samples each)."""
     train_minutes: float
     """Wall-clock budget for the training phase."""
+    val_file: str | None = None
+    """Validation questions unseen in training and disjoint from the held-out set (relative to the repository
+    root, read by the policy's ``read_items``); None draws ``num_val`` training prompts. The VLM needs unseen
+    ones: GRPO fits its training questions, and on them a step-800 and a step-1,200 snapshot scored the same
+    while held-out accuracy differed by 5 points."""
     overrides: list[str] = field(default_factory=list)
 
 
@@ -75,7 +80,8 @@ DEMOS = {
     "flow": DemoSpec(preset="configs/flow/demo_shapes.yaml", asset="assets/tiny-sd3-shapes", task="ShapesT2I", metric="shapes_eval/score",
                      guard="diversity", stop_on_guard=True, samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
-                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=50, num_val=96, train_minutes=12.0),
+                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=100, num_val=192, train_minutes=12.0,
+                    val_file="assets/data/shapes_qa/val.jsonl"),
 }
 
 
@@ -174,6 +180,11 @@ def validation_items(train_items: list[dict], n: int) -> list[dict]:
     return [train_items[i] for i in picked]
 
 
+def val_source(spec: DemoSpec) -> str:
+    """What the validation prompts are, for the report."""
+    return f"unseen prompts from {spec.val_file}" if spec.val_file else "training prompts"
+
+
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
     """Run one demo end to end and return what demo.json holds."""
     from rich.console import Console
@@ -198,7 +209,9 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
                                "logging.progress=false", *spec.overrides])
     trainer = Trainer(cfg)
     policy, zoo = trainer.policy, trainer.rewards
-    items, val_items = trainer.eval_items, validation_items(trainer.train_items, spec.num_val)
+    items = trainer.eval_items
+    val_items = (policy.read_items(spec.val_file)[:spec.num_val] if spec.val_file
+                 else validation_items(trainer.train_items, spec.num_val))
     console.print(f"[bold]mmgrpo demo {which}[/]: {spec.task}, {len(items)} held-out prompts, preset {spec.preset}",
                   soft_wrap=True)
 
@@ -291,7 +304,7 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     axes[1].plot([s for s, _ in validations], [m[spec.metric] for _, m in validations], marker="o")
     axes[1].axvline(best_step, color="grey", linestyle="--", label=f"reported model (step {best_step})")
     axes[1].legend(loc="best", fontsize=8)
-    axes[1].set_title(f"validation {spec.metric} (training prompts)")
+    axes[1].set_title(f"validation {spec.metric} ({val_source(spec)})")
     axes[1].set_xlabel("optimiser step")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -319,11 +332,13 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
                      if "circular_accuracy" in before else "")
     rows = "\n".join(f"| {name} | {b:.3f} | {a:.3f} | {a - b:+.3f} |"
                      for name, b, a in table_rows(before, after, spec.metric))
+    schedule = cfg.optim.lr_scheduler + ("" if cfg.optim.lr_scheduler.startswith("constant")
+                                         else f" decay over {cfg.train.max_steps} steps")
     text = f"""# mmgrpo demo {which}: {spec.task}
 
 GRPO on the tiny shipped model, on CPU, with no downloads. Preset: `{spec.preset}`
-({cfg.train.group_size} samples per prompt, {cfg.train.prompts_per_step} prompts per step, lr {cfg.optim.lr},
-KL beta {cfg.grpo.kl_beta}, clip {cfg.grpo.clip_eps}, rewards {", ".join(f"{r.name} x {r.weight:g}" for r in cfg.rewards)}).
+({cfg.train.group_size} samples per prompt, {cfg.train.prompts_per_step} prompts per step, lr {cfg.optim.lr}
+({schedule}), KL beta {cfg.grpo.kl_beta}, clip {cfg.grpo.clip_eps}, rewards {", ".join(f"{r.name} x {r.weight:g}" for r in cfg.rewards)}).
 The held-out set ({len(before_batch) // spec.samples_per_prompt} prompts, each sampled {spec.samples_per_prompt}
 time(s) with fixed seeds) was scored only before and after training.
 
@@ -332,7 +347,7 @@ time(s) with fixed seeds) was scored only before and after training.
 {rows}
 
 The headline metric is `{spec.metric}`. Training ran {history[-1]['step'] if history else 0} optimiser steps
-({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} training prompts was scored;
+({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} {val_source(spec)} was scored;
 the reported model is the validation-best snapshot that kept `{spec.guard}`
 (step {best_step}; step 0 is the base model). {guard_note}{guard_note_failed}{circular_note}
 Total time {minutes:.1f} minutes.

@@ -143,6 +143,11 @@ class VLMPolicy(Policy):
         self.train_items = [self._item(s) for s in train]
         return self.train_items, [self._item(s) for s in held]
 
+    def read_items(self, path: str) -> list[dict]:
+        """Items of another file (or ``task:...`` source, read as a held-out split) in the preset's data format,
+        e.g. a validation set."""
+        return [self._item(s) for s in self._read(path, "heldout")]
+
     def _read(self, path: str, split: str) -> list[VLMSample]:
         """The samples of ``path`` (a file, or ``task:...`` generating ``split``) whose kind is in
         ``data.media_types``; none left is a ConfigError."""

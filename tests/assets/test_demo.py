@@ -61,6 +61,18 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     for kind in ("colour", "shape", "count"):  # the first 3 held-out questions, one per image kind
         assert f"| accuracy/shapes_qa/{kind} |" in report
     assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
+    assert "validation set of 2 unseen prompts from assets/data/shapes_qa/val.jsonl" in report
+
+
+def test_vlm_validation_questions_are_unseen_in_training_and_held_out():
+    data = demo.REPO / "assets" / "data" / "shapes_qa"
+    spec = demo.DEMOS["vlm"]
+    ids = {name: [s.extra["id"] for s in read_samples(data / f"{name}.jsonl", data)]
+           for name in ("train", "val", "heldout")}
+    assert (demo.REPO / spec.val_file) == data / "val.jsonl" and len(ids["val"]) == spec.num_val
+    assert not set(ids["val"]) & set(ids["train"]) and not set(ids["val"]) & set(ids["heldout"])
+    kinds = {s.extra["task"] + "/" + s.extra["kind"] for s in read_samples(data / "val.jsonl", data)}
+    assert len(kinds) == 6
 
 
 def test_demo_command_runs_from_any_directory(small_demo, tmp_path, monkeypatch):
