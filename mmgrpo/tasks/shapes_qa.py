@@ -184,8 +184,8 @@ def write_split(out_dir: str | os.PathLike, split: str, n: int, tasks: tuple[str
     name = name or split
     (out / name).mkdir(parents=True, exist_ok=True)
     records = []
-    qa_tasks = [TASKS.get(name) for name in tasks]
-    bar = tqdm(total=n * sum(len(task.kinds) for task in qa_tasks), desc=f"writing the {split} split", unit="item",
+    qa_tasks = [TASKS.get(task_name) for task_name in tasks]
+    bar = tqdm(total=n * sum(len(task.kinds) for task in qa_tasks), desc=f"writing {name}", unit="item",
                disable=not progress)
     for task in qa_tasks:
         for item in task.items(split, n, start):
