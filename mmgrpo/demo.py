@@ -304,7 +304,7 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     axes[1].plot([s for s, _ in validations], [m[spec.metric] for _, m in validations], marker="o")
     axes[1].axvline(best_step, color="grey", linestyle="--", label=f"reported model (step {best_step})")
     axes[1].legend(loc="best", fontsize=8)
-    axes[1].set_title(f"validation {spec.metric} ({val_source(spec)})")
+    axes[1].set_title(f"validation {spec.metric} ({'unseen' if spec.val_file else 'training'} prompts)")
     axes[1].set_xlabel("optimiser step")
     for ax in axes:
         ax.grid(alpha=0.3)
