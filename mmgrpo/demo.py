@@ -69,10 +69,9 @@ class DemoSpec:
     train_minutes: float
     """Wall-clock budget for the training phase."""
     val_file: str | None = None
-    """Validation questions unseen in training and disjoint from the held-out set (relative to the repository
-    root, read by the policy's ``read_items``); None draws ``num_val`` training prompts. The VLM needs unseen
-    ones: GRPO fits its training questions, and on them a step-800 and a step-1,200 snapshot scored the same
-    while held-out accuracy differed by 5 points."""
+    """Validation prompts unseen in training and disjoint from the held-out set (relative to the repository root,
+    read by the policy's ``read_items``); None draws ``num_val`` training prompts (docs/demo.md: why the VLM
+    needs unseen ones)."""
     overrides: list[str] = field(default_factory=list)
 
 
@@ -181,8 +180,8 @@ def validation_items(train_items: list[dict], n: int) -> list[dict]:
 
 
 def val_source(spec: DemoSpec) -> str:
-    """What the validation prompts are, for the report."""
-    return f"unseen prompts from {spec.val_file}" if spec.val_file else "training prompts"
+    """What the validation prompts are: "unseen prompts" or "training prompts"."""
+    return "unseen prompts" if spec.val_file else "training prompts"
 
 
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
@@ -304,7 +303,7 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     axes[1].plot([s for s, _ in validations], [m[spec.metric] for _, m in validations], marker="o")
     axes[1].axvline(best_step, color="grey", linestyle="--", label=f"reported model (step {best_step})")
     axes[1].legend(loc="best", fontsize=8)
-    axes[1].set_title(f"validation {spec.metric} ({'unseen' if spec.val_file else 'training'} prompts)")
+    axes[1].set_title(f"validation {spec.metric} ({val_source(spec)})")
     axes[1].set_xlabel("optimiser step")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -347,7 +346,7 @@ time(s) with fixed seeds) was scored only before and after training.
 {rows}
 
 The headline metric is `{spec.metric}`. Training ran {history[-1]['step'] if history else 0} optimiser steps
-({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} {val_source(spec)} was scored;
+({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} {val_source(spec)}{f" from {spec.val_file}" if spec.val_file else ""} was scored;
 the reported model is the validation-best snapshot that kept `{spec.guard}`
 (step {best_step}; step 0 is the base model). {guard_note}{guard_note_failed}{circular_note}
 Total time {minutes:.1f} minutes.
