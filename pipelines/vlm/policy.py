@@ -107,6 +107,10 @@ def check_config(cfg: VLMConfig) -> None:
     if unknown:
         raise ConfigError(f"bad value {sorted(unknown)} for 'data.media_types': expected some of "
                           f"{', '.join(MEDIA_TYPES)}")
+    if cfg.prefix_grouper and cfg.model.attn_implementation == "flash_attention_2":
+        raise ConfigError("prefix_grouper needs a block attention mask, which flash_attention_2 cannot take: set "
+                          "'model.attn_implementation' to sdpa (its memory-efficient kernel takes the mask) or "
+                          "prefix_grouper=false")
     check_video_config(cfg.video)
 
 

@@ -341,3 +341,6 @@ def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
         VLMPolicy(config(tmp_path, overrides=("data.on_bad_media=ignore",)))
     with pytest.raises(ConfigError, match="data.media_types"):
         VLMPolicy(config(tmp_path, overrides=("data.media_types=[audio]",)))
+    # checked on the configured value: on CPU flash_attention_2 would fall back to sdpa and hide the clash
+    with pytest.raises(ConfigError, match="model.attn_implementation"):
+        VLMPolicy(config(tmp_path, overrides=("model.attn_implementation=flash_attention_2", "prefix_grouper=true")))
