@@ -6,8 +6,12 @@ scores 0: matching the ground truth anywhere in the text would pay out for empty
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import select
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -81,18 +85,56 @@ def parse_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+MATH_TIMEOUT_S = 5.0
+"""Seconds one math-verify comparison may take before it counts as unequal."""
+MATH_IMPORT_S = 30.0
+"""Extra seconds the first comparison of a new worker process may take: it imports math-verify and sympy."""
+_MATH_WORKER = """
+import json, sys
+from math_verify import parse, verify
+def read(s):
+    return parse(s if "$" in s or "\\\\boxed" in s else f"${s}$", parsing_timeout=None)
+for line in sys.stdin:
+    pred, gt = json.loads(line)
+    try:
+        gold, guess = read(gt), read(pred)
+        ok = bool(gold and guess and verify(gold, guess, timeout_seconds=None))
+    except Exception:
+        ok = False
+    print(json.dumps(ok), flush=True)
+"""
+_math_worker: subprocess.Popen | None = None
+_math_lock = threading.Lock()
+
+
 def math_equal(pred: str, gt: str) -> bool:
-    """Symbolic equality by math-verify (``\\frac{1}{2}`` == ``0.5``). Bare expressions are read as LaTeX."""
-    from math_verify import parse, verify
+    """Symbolic equality by math-verify (``\\frac{1}{2}`` == ``0.5``; bare expressions are read as LaTeX); False
+    when it takes longer than ``MATH_TIMEOUT_S`` seconds.
 
-    # math-verify times out through signal.alarm, which only the main thread may use.
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-
-    def read(s: str) -> list:
-        return parse(s if "$" in s or "\\boxed" in s else f"${s}$", parsing_timeout=timeout)
-
-    gold, guess = read(gt), read(pred)
-    return bool(gold and guess and verify(gold, guess, timeout_seconds=timeout))
+    The comparison runs in a worker process (``python -c``, math-verify only), which is killed, and replaced at the
+    next call, when it runs out of time: sympy can spend minutes on an answer such as ``9^{9^{9}}`` while holding
+    the GIL, and math-verify's own timeout (``signal.alarm``) works only in the main thread, which the reward zoo's
+    threads and the reward server's worker are not."""
+    global _math_worker
+    with _math_lock:
+        wait = MATH_TIMEOUT_S
+        if _math_worker is None or _math_worker.poll() is not None:
+            _math_worker = subprocess.Popen([sys.executable, "-c", _MATH_WORKER], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            wait += MATH_IMPORT_S
+        _math_worker.stdin.write(json.dumps([pred, gt]) + "\n")
+        _math_worker.stdin.flush()
+        ready, _, _ = select.select([_math_worker.stdout], [], [], wait)
+        if not ready:
+            _math_worker.kill()
+            _math_worker.wait()
+            _math_worker = None
+            return False
+        line = _math_worker.stdout.readline()
+        if not line:  # the worker died (out of memory, say): count the pair unequal, start a new one next time
+            _math_worker = None
+            return False
+        return bool(json.loads(line))
 
 
 def score_multiple_choice(pred: str, gt: str) -> float:

@@ -1,16 +1,19 @@
 """Text rule rewards against hand-computed references."""
 
 import math
+import threading
+import time
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmgrpo.rewards import RewardBatch, build_reward
+from mmgrpo.rewards import RewardBatch, build_reward, text_rules
 from mmgrpo.rewards.text_rules import (
     answer_diversity,
     canonical_problem_type,
+    math_equal,
     normalize_choice,
     parse_interval,
     parse_number,
@@ -137,6 +140,24 @@ def test_answer_diversity_ignores_order(letters, order):
 ])
 def test_accuracy_numerical(pred, gt, expected):
     assert acc(pred, gt, "numerical") == expected
+
+
+def test_math_equal_gives_up_on_a_runaway_answer_off_the_main_thread(monkeypatch):
+    """sympy holds the GIL on 9^(9^9); the worker process is killed after the timeout, and the next call works."""
+    math_equal("1", "1")  # start the worker outside the timed call
+    monkeypatch.setattr(text_rules, "MATH_TIMEOUT_S", 1.0)
+    verdict, took = [], []
+
+    def compare():
+        start = time.perf_counter()
+        verdict.append(math_equal("9^{9^{9}}", "3"))
+        took.append(time.perf_counter() - start)
+
+    worker = threading.Thread(target=compare)
+    worker.start()
+    worker.join(timeout=60)
+    assert verdict == [False] and took[0] < 10
+    assert math_equal("\\frac{1}{2}", "0.5") and not math_equal("\\frac{1}{3}", "0.5")
 
 
 @pytest.mark.parametrize("text, value", [("1,000", 1000.0), (" 3.0 ", 3.0), ("1e3", 1000.0), ("12,34", None),
