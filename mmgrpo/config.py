@@ -59,7 +59,8 @@ class GRPOConfig:
     adv_clip: float = 0.0
     """Clamp advantages to [-adv_clip, adv_clip]; 0 disables. Flow-GRPO uses 5."""
     mask_zero_std_groups: bool = False
-    """Dynamic sampling: groups whose rewards all agree carry no signal and are left out of the loss."""
+    """Dynamic sampling: groups that carry no signal are left out of the loss: the weighted sum of their rewards
+    does not vary (``reward_aggregation: weighted_sum``), or none of their weighted rewards varies (``gdpo``)."""
     loss: str = "ppo_clip"
     """Policy loss (registry ``POLICY_LOSSES``): ppo_clip (clipped surrogate) or reinforce (unclipped ratio * A)."""
     clip_eps: float = 0.2

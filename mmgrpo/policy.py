@@ -114,6 +114,11 @@ class Policy(ABC):
         each node's transitions the advantage of that node."""
         return advantages[:, None].to(rollout.old_logp.device).expand_as(rollout.old_logp)
 
+    def max_units(self) -> int | None:
+        """The constant unit count ``seq-mean-token-sum-norm`` divides by (the most units a sample can have), or
+        None for the rollout's width U when that does not change from rollout to rollout."""
+        return None
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 

@@ -26,12 +26,13 @@ from mmgrpo.data import GroupSampler
 from mmgrpo.ema import EMA
 from mmgrpo.grpo import (
     advantage_stats,
+    aggregation_count,
     aggregation_weights,
     clip_advantages,
     combine_rewards,
+    no_signal_groups,
     ratio_stats,
     weighted_reward,
-    zero_std_groups,
 )
 from mmgrpo.policy import Policy, Rollout, build_policy, micro_batches_per_update
 from mmgrpo.registry import POLICY_LOSSES
@@ -142,7 +143,7 @@ class Trainer:
         stats = advantage_stats(adv, combined, all_group)
         keep = torch.ones_like(adv, dtype=torch.bool)
         if g.mask_zero_std_groups:
-            keep = ~zero_std_groups(combined, all_group)
+            keep = ~no_signal_groups(all_main, weights, all_group, self.cfg.reward_aggregation)
         n = len(rollout)
         lo = self.accelerator.process_index * n
         local_adv, local_keep = adv[lo:lo + n], keep[lo:lo + n]
@@ -186,6 +187,15 @@ class Trainer:
                 fresh[rows] = block
         rollout.old_logp = fresh
 
+    def aggregation_weights(self, mask: torch.Tensor) -> torch.Tensor:
+        """(n, U) loss weights of one update's rows (``grpo.loss_aggregation``), normalised by the count over all
+        processes, so that their averaged gradients give the mean over the whole batch (every process calls this
+        once per update)."""
+        mode, acc = self.cfg.grpo.loss_aggregation, self.accelerator
+        count = torch.tensor(aggregation_count(mask, mode), dtype=torch.float64, device=acc.device)
+        total = acc.reduce(count, reduction="sum").item() / acc.num_processes
+        return aggregation_weights(mask, mode, self.policy.max_units(), total=total)
+
     def train_on_rollout(self, rollout: Rollout, unit_adv: torch.Tensor, on_step: Any) -> None:
         """K inner epochs over ``rollout``; one optimiser step per update; ``on_step(metrics)`` after each."""
         cfg, acc, g = self.cfg, self.accelerator, self.cfg.grpo
@@ -210,7 +220,7 @@ class Trainer:
             for u, micro_batches in enumerate(updates):
                 old_from_forward = sampled_logp is not None and epoch == 0 and u == 0
                 rows_all = torch.cat(micro_batches)
-                weights_all = aggregation_weights(mask[rows_all], g.loss_aggregation) * rollout.unit_weight[rows_all]
+                weights_all = self.aggregation_weights(mask[rows_all]) * rollout.unit_weight[rows_all]
                 sums = {"loss": 0.0, "kl": 0.0, "units": 0.0}
                 ratios, masks, clips = [], [], []
                 offset = 0

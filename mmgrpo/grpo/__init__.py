@@ -8,12 +8,14 @@ from .advantages import (
     group_stats,
     group_zscore,
     max_rl,
+    no_signal_groups,
     rloo,
     weighted_reward,
     zero_std_groups,
 )
 from .diagnostics import advantage_stats, masked_mean, ratio_stats
 from .losses import (
+    aggregation_count,
     aggregation_weights,
     gaussian_mean_kl,
     importance_ratio,
@@ -24,6 +26,7 @@ from .losses import (
 
 __all__ = [
     "advantage_stats",
+    "aggregation_count",
     "aggregation_weights",
     "clip_advantages",
     "combine_rewards",
@@ -36,6 +39,7 @@ __all__ = [
     "kl_estimate",
     "masked_mean",
     "max_rl",
+    "no_signal_groups",
     "ppo_clip_loss",
     "ratio_stats",
     "reinforce_loss",

@@ -103,6 +103,25 @@ def zero_std_groups(rewards: torch.Tensor, group: torch.Tensor, tol: float = ZER
     return ((std <= tol) | (count <= 1))[index]
 
 
+def no_signal_groups(rewards: torch.Tensor, weights: torch.Tensor | Sequence[float], group: torch.Tensor,
+                     aggregation: str, tol: float = ZERO_STD_TOL) -> torch.Tensor:
+    """(N,) bool: the sample's group gives no learning signal, for dynamic sampling. (N, R) raw rewards.
+
+    With ``weighted_sum`` the advantages come from the weighted sum, so a group is empty of signal when that sum
+    does not vary (:func:`zero_std_groups`); with ``gdpo`` each reward is normalised on its own, so only when no
+    reward with a non-zero weight varies within the group."""
+    if aggregation == "weighted_sum":
+        return zero_std_groups(weighted_reward(rewards, weights), group, tol)
+    if aggregation != "gdpo":
+        raise ValueError(f"unknown reward aggregation '{aggregation}' (valid: weighted_sum, gdpo)")
+    w = torch.as_tensor(weights, dtype=torch.float64).tolist()
+    empty = torch.ones(rewards.shape[0], dtype=torch.bool, device=rewards.device)
+    for r, weight in enumerate(w):
+        if weight != 0:
+            empty &= zero_std_groups(rewards[:, r].double(), group, tol)
+    return empty
+
+
 def weighted_reward(rewards: torch.Tensor, weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
     """(N, R) rewards, (R,) weights -> (N,) float64 sum of w_r * rewards[:, r] over the non-NaN kinds.
 

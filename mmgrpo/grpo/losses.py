@@ -18,7 +18,8 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def aggregation_weights(mask: torch.Tensor, mode: str, max_units: int | None = None) -> torch.Tensor:
+def aggregation_weights(mask: torch.Tensor, mode: str, max_units: int | None = None,
+                        total: float | None = None) -> torch.Tensor:
     """(N, U) fp32 weights w such that the aggregated loss is ``(w * per_unit_loss).sum()``.
 
     - ``token-mean``: every trained unit of the batch counts the same (DAPO).
@@ -26,17 +27,26 @@ def aggregation_weights(mask: torch.Tensor, mode: str, max_units: int | None = N
     - ``seq-mean-token-sum-norm``: unit sum per row divided by the constant ``max_units`` (default U), then mean over
       rows that have units (Dr. GRPO).
 
-    Rows without units get weight 0; an all-False mask gives all zeros."""
+    ``total`` replaces the count the mean divides by (trained units for token-mean, rows with units otherwise),
+    which defaults to this mask's. Under data parallelism, pass the mean of that count over the processes: the
+    processes' gradients are averaged, so the result is the mean over the whole batch, not a mean of per-process
+    means. Rows without units get weight 0; an all-False mask gives all zeros."""
     m = mask.float()
     per_row = m.sum(dim=1, keepdim=True)
-    rows = (per_row > 0).sum().clamp(min=1)
     if mode == "token-mean":
-        return m / m.sum().clamp(min=1)
+        return m / max(m.sum().item() if total is None else total, 1.0)
+    rows = max((per_row > 0).sum().item() if total is None else total, 1.0)
     if mode == "seq-mean-token-mean":
         return m / per_row.clamp(min=1) / rows
     if mode == "seq-mean-token-sum-norm":
         return m / (rows * max(max_units or mask.shape[1], 1))
     raise ValueError(f"unknown loss aggregation '{mode}' (valid: {', '.join(AGGREGATIONS)})")
+
+
+def aggregation_count(mask: torch.Tensor, mode: str) -> float:
+    """The count :func:`aggregation_weights` divides by for ``mask`` (N, U): trained units for token-mean, rows
+    with units for the other modes."""
+    return float(mask.sum()) if mode == "token-mean" else float((mask.sum(dim=1) > 0).sum())
 
 
 def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ from mmgrpo.grpo.advantages import (
     group_stats,
     group_zscore,
     max_rl,
+    no_signal_groups,
     rloo,
     weighted_reward,
     zero_std_groups,
@@ -107,6 +108,18 @@ def test_zero_std_groups():
     g = t([0, 0, 0, 1, 1, 2, 3, 3], torch.int64)
     assert zero_std_groups(r, g).tolist() == [True, True, True, False, False, True, True, True]
     assert zero_std_groups(r, g, tol=0.5).tolist() == [True] * 8  # group 1 has std 0.5
+
+
+def test_no_signal_groups_follow_the_aggregation():
+    # group 0: the rewards vary but their weighted sum (1*2 + 2*0 = 1*0 + 2*1) does not; group 1: nothing varies
+    r = t([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    g = t([0, 0, 1, 1], torch.int64)
+    assert no_signal_groups(r, [1.0, 2.0], g, "weighted_sum").tolist() == [True, True, True, True]
+    assert no_signal_groups(r, [1.0, 2.0], g, "gdpo").tolist() == [False, False, True, True]
+    assert no_signal_groups(r, [1.0, 0.0], t([0, 0, 0, 0], torch.int64), "gdpo").all() == torch.tensor(False)
+    assert no_signal_groups(r[:2, 1:], [0.0], g[:2], "gdpo").all()  # a zero-weight reward never counts
+    with pytest.raises(ValueError, match="reward aggregation"):
+        no_signal_groups(r, [1.0, 2.0], g, "mean")
 
 
 def test_weighted_reward():

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmgrpo.grpo.losses import (
+    aggregation_count,
     aggregation_weights,
     gaussian_mean_kl,
     importance_ratio,
@@ -51,6 +52,19 @@ def test_aggregation_seq_mean_token_mean():
 def test_aggregation_seq_mean_token_sum_norm():
     close(aggregation_weights(MASK, "seq-mean-token-sum-norm"), [[1 / 6, 1 / 6, 0], [1 / 6, 0, 0], [0, 0, 0]])
     close(aggregation_weights(MASK, "seq-mean-token-sum-norm", max_units=4), [[1 / 8, 1 / 8, 0], [1 / 8, 0, 0], [0] * 3])
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregation_over_processes_is_the_global_mean(mode):
+    """Two processes with different lengths: averaging their losses, each weighted with the mean count over the
+    processes (``total``), equals the loss of the whole batch on one process."""
+    loss = torch.rand(4, 5)
+    mask = t([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], torch.bool)
+    halves = (mask[:2], mask[2:])
+    total = sum(aggregation_count(m, mode) for m in halves) / 2
+    per_process = [(aggregation_weights(m, mode, 5, total=total) * l).sum() for m, l in zip(halves, loss.split(2))]
+    whole = (aggregation_weights(mask, mode, 5) * loss).sum()
+    close(sum(per_process) / 2, whole)
 
 
 def test_aggregation_empty_mask_and_unknown_mode():
