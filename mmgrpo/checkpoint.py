@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -45,11 +46,19 @@ def temporary_dir(run_dir: Path, step: int) -> Path:
 
 def finalize(tmp: Path, state: dict[str, Any]) -> Path:
     """Write the trainer state last, then rename the folder into place (atomic on one filesystem)."""
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+    with open(tmp / STATE_FILE, "w") as f:
+        f.write(json.dumps(state, indent=2))
+        f.flush()
+        os.fsync(f.fileno())  # the state is on disk before the rename makes the checkpoint visible
     final = tmp.parent / tmp.name.removeprefix(".tmp-")
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # and so is the rename
+    finally:
+        os.close(directory)
     return final
 
 

@@ -38,6 +38,14 @@ def _policy_and_weights(cfg: Any) -> Any:
         raise FileNotFoundError(f"no checkpoint to load in {Path(cfg.output_dir) / 'checkpoints'}")
     if found is not None:
         policy.load(found / "policy")
+        ema = found / "ema.safetensors"
+        if ema.is_file():  # a run with train.ema_decay > 0: evaluate and sample with the averaged weights
+            from safetensors.torch import load_file
+
+            params = dict(policy.model.named_parameters())
+            with torch.no_grad():
+                for name, value in load_file(str(ema)).items():
+                    params[name].copy_(value.to(params[name].dtype))
     return policy
 
 

@@ -95,8 +95,10 @@ class TrainConfig:
     groups."""
     num_inner_epochs: int = 1
     """K: passes over each rollout (TRL's num_iterations). Each pass after the first is off-policy."""
-    mixed_precision: str = "no"
-    """accelerate mixed precision for model forwards: no, fp16 or bf16. Log-prob math always runs in fp32."""
+    mixed_precision: str | None = None
+    """accelerate mixed precision for model forwards: no, fp16 or bf16; null takes the launcher's setting
+    (``accelerate launch --config_file ...`` or ``--mixed_precision``), or no without a launcher. A value here
+    overrides the launcher's. Log-prob math always runs in fp32."""
     ema_decay: float = 0.0
     """Keep an exponential moving average of the trainable weights with this decay (0 disables). The EMA weights
     are saved next to the raw ones and used by eval and sample."""
@@ -167,7 +169,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "grpo.ratio_level": ("token", "sequence"),
     "grpo.loss_aggregation": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "grpo.kl_estimator": ("k1", "k2", "k3"),
-    "train.mixed_precision": ("no", "fp16", "bf16"),
     "reward_aggregation": ("weighted_sum", "gdpo"),
 }
 """String fields with a closed set of values, checked after loading (registry-backed fields are checked on use)."""
@@ -224,7 +225,10 @@ def read_preset(path: str | os.PathLike) -> dict[str, Any]:
     merged = OmegaConf.create()
     for base in [bases] if isinstance(bases, str) else bases:
         merged = OmegaConf.merge(merged, read_preset(path.parent / base))
-    return OmegaConf.to_container(OmegaConf.merge(merged, data))
+    try:
+        return OmegaConf.to_container(OmegaConf.merge(merged, data))
+    except (OmegaConfBaseException, TypeError, ValueError) as err:
+        raise ConfigError(f"{path} does not merge onto its base: {' '.join(str(err).split())}") from err
 
 
 def _omegaconf_message(err: OmegaConfBaseException, schema: type) -> str:
@@ -316,6 +320,9 @@ def validate(cfg: BaseConfig) -> None:
             close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.0)
             raise ConfigError(f"bad value '{value}' for '{key}': expected one of {', '.join(allowed)}"
                               + (f" (closest: '{close[0]}')" if close else ""))
+    if cfg.train.mixed_precision not in (None, "no", "fp16", "bf16"):
+        raise ConfigError(f"bad value '{cfg.train.mixed_precision}' for 'train.mixed_precision': expected one of no, "
+                          "fp16, bf16 (or null for the launcher's)")
     positive = ["train.max_steps", "train.prompts_per_step", "train.group_size", "train.micro_batch_size",
                 "train.updates_per_rollout", "train.num_inner_epochs"]
     for key in positive:
@@ -328,6 +335,20 @@ def validate(cfg: BaseConfig) -> None:
     for i, spec in enumerate(cfg.rewards):
         if spec.name in ("", "???"):
             raise ConfigError(f"missing required key 'rewards.{i}.name'")
+    from transformers import SchedulerType
+
+    schedulers = [s.value for s in SchedulerType]
+    if cfg.optim.lr_scheduler not in schedulers:
+        close = difflib.get_close_matches(cfg.optim.lr_scheduler, schedulers, n=1, cutoff=0.0)
+        raise ConfigError(f"bad value '{cfg.optim.lr_scheduler}' for 'optim.lr_scheduler': expected a transformers "
+                          f"scheduler ({', '.join(schedulers)})" + (f" (closest: '{close[0]}')" if close else ""))
+    from mmgrpo.registry import ADVANTAGES, POLICY_LOSSES, RegistryError
+
+    for key, registry in (("grpo.advantage", ADVANTAGES), ("grpo.loss", POLICY_LOSSES)):
+        try:
+            registry.get(get_key(cfg, key))
+        except RegistryError as err:
+            raise ConfigError(f"bad value for '{key}': {err}") from err
     if hasattr(cfg, "validate") and callable(cfg.validate):
         cfg.validate()
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmgrpo.config import ConfigError
+
 
 @dataclass
 class GroupSampler:
@@ -32,8 +34,8 @@ class GroupSampler:
         if self.num_items < 1:
             raise ValueError("the training dataset is empty")
         if self.prompts_per_step % self.world_size:
-            raise ValueError(f"train.prompts_per_step={self.prompts_per_step} must be divisible by the "
-                             f"{self.world_size} processes")
+            raise ConfigError(f"bad value for 'train.prompts_per_step': {self.prompts_per_step} must be divisible "
+                              f"by the {self.world_size} processes")
 
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)

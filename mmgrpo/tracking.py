@@ -9,6 +9,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from mmgrpo.config import ConfigError
+
 HEADLINE = ("reward/mean", "loss", "kl", "ratio/mean", "ratio/onpolicy_max_dev", "clip_frac", "time/step_s")
 """Metrics that get a PNG curve and a row in the end-of-run summary (plus every reward/<name>/mean)."""
 
@@ -53,6 +55,8 @@ class MetricsLog:
             self.tb = SummaryWriter(str(run_dir / "tb"))
         self.wandb = None
         if wandb:
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("logging.wandb=true but wandb is not installed (pip install -e '.[wandb]')")
             import wandb as wandb_module
 
             self.wandb = wandb_module.init(project=wandb_project, dir=str(run_dir), config=config,

@@ -7,6 +7,7 @@ Everything model-specific is behind :class:`mmgrpo.policy.Policy`; everything ma
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -15,13 +16,13 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import DistributedType, gather_object, set_seed
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from mmgrpo import checkpoint
-from mmgrpo.config import BaseConfig, to_dict, to_yaml
+from mmgrpo.config import BaseConfig, ConfigError, to_dict, to_yaml
 from mmgrpo.data import GroupSampler
 from mmgrpo.ema import EMA
 from mmgrpo.grpo import (
@@ -48,6 +49,14 @@ def make_accelerator(cfg: BaseConfig) -> Accelerator:
                        step_scheduler_with_optimizer=False)
 
 
+def sharded_parameters(acc: Accelerator) -> bool:
+    """Whether this run shards the parameters over processes (FSDP, DeepSpeed ZeRO-3)."""
+    if acc.distributed_type == DistributedType.FSDP:
+        return True
+    plugin = acc.state.deepspeed_plugin
+    return acc.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
+
+
 class Trainer:
     """Runs ``cfg.train.max_steps`` optimiser steps of GRPO on ``policy``. See the module docstring."""
 
@@ -72,6 +81,9 @@ class Trainer:
                                   num_training_steps=cfg.train.max_steps)
         self.policy.model, self.optimizer, self.scheduler = acc.prepare(self.policy.model, optimizer, scheduler)
         self.policy.setup(acc)
+        if cfg.train.ema_decay > 0 and sharded_parameters(acc):
+            raise ConfigError("bad value for 'train.ema_decay': the EMA keeps full copies of the parameters, which "
+                              "FSDP and DeepSpeed ZeRO-3 shard; set it to 0 or use DDP or ZeRO-2")
         self.ema = EMA(named, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
         acc.register_save_state_pre_hook(self._save_hook)
         acc.register_load_state_pre_hook(self._load_hook)
@@ -103,7 +115,8 @@ class Trainer:
         acc = self.accelerator
         tmp = checkpoint.temporary_dir(self.run_dir, self.step)
         if acc.is_main_process:
-            tmp.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier write of this step leaves nothing behind
+            tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp), safe_serialization=True)
         acc.wait_for_everyone()
@@ -119,8 +132,9 @@ class Trainer:
     def load_checkpoint(self, path: Path) -> None:
         state = checkpoint.read_state(path)
         if state["num_processes"] != self.accelerator.num_processes:
-            raise ValueError(f"checkpoint {path} was written by {state['num_processes']} processes; this run has "
-                             f"{self.accelerator.num_processes} (RNG streams would not line up)")
+            raise ConfigError(f"bad value for 'resume': checkpoint {path} was written by {state['num_processes']} "
+                              f"processes and this run has {self.accelerator.num_processes} (RNG streams would "
+                              "not line up)")
         self.accelerator.load_state(str(path))
         self.step, self.iteration = state["step"], state["iteration"]
         self.sampler.load_state_dict(state["sampler"])
@@ -263,7 +277,9 @@ class Trainer:
                     recompute_dev = dev.max().item() if dev.numel() else 0.0
                 grad_norm = None
                 if cfg.optim.max_grad_norm > 0:
-                    grad_norm = acc.clip_grad_norm_(self.policy.trainable_parameters(), cfg.optim.max_grad_norm)
+                    # all parameters: accelerate clips FSDP's sharded gradients by their global norm only when
+                    # given the model's full parameter list (frozen ones have no gradient and do not count)
+                    grad_norm = acc.clip_grad_norm_(self.policy.model.parameters(), cfg.optim.max_grad_norm)
                 self.optimizer.step()
                 rollout.weights_updated = True
                 self.scheduler.step()

@@ -49,6 +49,24 @@ def test_unknown_key_in_yaml_and_wrong_type(tmp_path):
         load_config(preset, ["train.group_size=0"])
 
 
+def test_registry_and_scheduler_names_are_checked_at_load(tmp_path):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
+    with pytest.raises(ConfigError, match="'optim.lr_scheduler'.*closest: 'cosine'"):
+        load_config(preset, ["optim.lr_scheduler=cosin"])
+    with pytest.raises(ConfigError, match="'grpo.advantage'.*'nope'"):
+        load_config(preset, ["grpo.advantage=nope"])
+    with pytest.raises(ConfigError, match="'grpo.loss'.*no_such_module"):
+        load_config(preset, ["grpo.loss=no_such_module:loss"])
+    assert load_config(preset, ["optim.lr_scheduler=cosine", "grpo.advantage=rloo"]).grpo.advantage == "rloo"
+
+
+def test_a_preset_that_does_not_merge_onto_its_base_names_the_file(tmp_path):
+    write(tmp_path / "root.yaml", {"pipeline": "toy_bandit:PIPELINE", "rewards": [{"name": "toy"}]})
+    leaf = write(tmp_path / "leaf.yaml", {"base": "root.yaml", "rewards": {"name": "x"}})
+    with pytest.raises(ConfigError, match="leaf.yaml does not merge onto its base"):
+        read_preset(leaf)
+
+
 def test_missing_file_and_missing_pipeline(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

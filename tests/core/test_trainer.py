@@ -14,6 +14,7 @@ import yaml
 from safetensors.torch import load_file
 from toy_bandit import ToyConfig
 
+from mmgrpo.cli import _policy_and_weights
 from mmgrpo.config import load_config
 from mmgrpo.tracking import read_metrics
 from mmgrpo.trainer import Trainer
@@ -77,6 +78,9 @@ def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
     with trainer.ema.swapped_in():
         torch.testing.assert_close(trainer.policy.model.weight.detach(), ema["weight"])
     torch.testing.assert_close(trainer.policy.model.weight.detach(), raw["weight"])
+    # eval and sample load the averaged weights of the checkpoint
+    loaded = _policy_and_weights(toy(tmp_path, "train.ema_decay=0.9", "resume=latest"))
+    torch.testing.assert_close(loaded.model.weight.detach(), ema["weight"])
 
 
 def _preset(path, run_dir, **train):
