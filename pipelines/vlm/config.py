@@ -57,8 +57,14 @@ class VLMDataConfig:
     num_eval: int = 32
     """Held-out samples for evaluation when ``eval_file`` is None, and the cap on in-loop evaluation."""
     prompt_template: str = ("{question}{options}\nThink about the question step by step inside <think> </think> "
-                            "tags, then give only the final answer inside <answer> </answer> tags.")
-    """Prompt text; ``{question}`` is the problem and ``{options}`` the newline-joined options (or empty)."""
+                            "tags, then give only the final answer inside <answer> </answer> tags.{type_instruction}")
+    """Prompt text; ``{question}`` is the problem, ``{options}`` the newline-joined options (or empty) and
+    ``{type_instruction}`` the sample's entry of ``type_instructions`` (or empty), inserted where the placeholder
+    stands, never appended. ``<image>``/``<video>`` markers in the rendered text place the media (docs/vlm.md)."""
+    type_instructions: dict[str, str] = field(default_factory=dict)
+    """Problem type (``multiple choice``, ``numerical``, ``OCR``, ``free-form``, ``regression``) -> the text put at
+    ``{type_instruction}`` for samples of that type, as given (include a leading space or line break), e.g. how
+    to write the answer. Empty by default; samples without a type, or of a type not listed, get nothing."""
     on_bad_media: str = "skip"
     """A missing or corrupt image/video: skip (count it and warn) or error (stop the run)."""
     max_prompt_tokens: int = 4096

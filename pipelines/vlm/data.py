@@ -6,7 +6,8 @@ first character, not the extension. The format is detected per record:
 - Video-R1: ``problem``, ``problem_type``, ``solution`` (often ``<answer>B</answer>``), optional ``options``
   (``["A. red", "B. blue"]``), and ``path`` with ``data_type`` (``image`` or ``video``); ``path`` may also be a list.
 - EasyR1: ``problem``, ``answer``, optional ``images`` and ``videos`` (lists of paths, or of ``{"path": ...}``) and an
-  optional ``problem_type``. The problem text is kept as given, ``<image>``/``<video>`` markers included.
+  optional ``problem_type``. ``<image>``/``<video>`` markers in the problem text say where each medium goes: the
+  prompt is split at them and the media take their places in marker order (:func:`chat_content`).
 
 A record with ``solution`` is Video-R1, one with ``answer`` (and no ``solution``) EasyR1. Media paths are resolved
 against the data root. Any other field is kept in :attr:`VLMSample.extra` and reaches the rewards through
@@ -31,7 +32,8 @@ from mmgrpo.rewards.text_rules import PROBLEM_TYPES, canonical_problem_type, las
 
 _CONSUMED = ("problem", "problem_type", "options", "solution", "answer", "path", "data_type", "images", "videos")
 _OPTION_LABEL = re.compile(r"\s*\(?[A-Za-z]\s*[.):]")
-_PLACEHOLDER = re.compile(r"\{(question|options)\}")
+_PLACEHOLDER = re.compile(r"\{(question|options|type_instruction)\}")
+_MARKER = re.compile(r"(<image>|<video>)")
 
 
 @dataclass
@@ -247,21 +249,55 @@ def rotate_options(sample: VLMSample, shift: int) -> VLMSample:
     return replace(sample, options=[f"{labels[k]}. {texts[(k + shift) % n]}" for k in range(n)], solution=solution)
 
 
-def render_prompt(sample: VLMSample, template: str) -> str:
-    """The prompt text: ``template`` (``data.prompt_template``) with ``{question}`` replaced by the problem and
-    ``{options}`` by :func:`format_options`. Other braces are left alone and inserted text is not scanned again.
+def render_prompt(sample: VLMSample, template: str, type_instructions: dict[str, str] | None = None) -> str:
+    """The prompt text: ``template`` (``data.prompt_template``) with ``{question}`` replaced by the problem,
+    ``{options}`` by :func:`format_options` and ``{type_instruction}`` by ``type_instructions[problem_type]``
+    (``data.type_instructions``; empty when the sample's type has no entry or the sample has no type). Other braces
+    are left alone and inserted text is not scanned again.
 
     Video-R1 appends ``"Options:\\n"`` and one option per line to multiple-choice problems only, with no line break
     after the problem; here any sample with options gets them, on a new line after the problem. Raises ConfigError
-    when the template has no ``{question}``, or no ``{options}`` while the sample has options (they would be lost).
+    when the template has no ``{question}``, no ``{options}`` while the sample has options, or no
+    ``{type_instruction}`` while the sample's type has an instruction (either would be lost); and, naming the
+    sample, when the prompt has ``<image>``/``<video>`` markers that do not match its media (:func:`chat_content`).
     """
     if "{question}" not in template:
         raise ConfigError("bad value for 'data.prompt_template': it must contain {question}")
     if sample.options and "{options}" not in template:
         raise ConfigError(f"bad value for 'data.prompt_template': it has no {{options}}, but {sample.source} has "
                           f"options")
-    values = {"question": sample.question, "options": format_options(sample.options)}
-    return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+    instruction = (type_instructions or {}).get(sample.problem_type or "", "")
+    if instruction and "{type_instruction}" not in template:
+        raise ConfigError(f"bad value for 'data.prompt_template': it has no {{type_instruction}}, but "
+                          f"data.type_instructions has one for {sample.problem_type!r} ({sample.source})")
+    values = {"question": sample.question, "options": format_options(sample.options), "type_instruction": instruction}
+    prompt = _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+    try:
+        chat_content(prompt, len(sample.images), len(sample.videos))
+    except ValueError as err:
+        raise ConfigError(f"{sample.source}: {err}") from err
+    return prompt
+
+
+def chat_content(text: str, n_images: int, n_videos: int) -> list[dict[str, str]]:
+    """The user turn's content items (``{"type": "image"}``, ``{"type": "video"}``, ``{"type": "text", "text"}``)
+    for a prompt with ``n_images`` images and ``n_videos`` videos.
+
+    Text with ``<image>``/``<video>`` markers (EasyR1) is split at them and the k-th ``<image>`` marker becomes the
+    k-th image (likewise videos), the markers dropped and empty text pieces left out; text without markers gets
+    every image, then every video, then the text. Raises ValueError when there are markers and their counts differ
+    from the media counts."""
+    parts = _MARKER.split(text)
+    markers = parts[1::2]
+    if not markers:
+        media = [{"type": "image"} for _ in range(n_images)] + [{"type": "video"} for _ in range(n_videos)]
+        return [*media, {"type": "text", "text": text}]
+    found = (markers.count("<image>"), markers.count("<video>"))
+    if found != (n_images, n_videos):
+        raise ValueError(f"the prompt has {found[0]} <image> and {found[1]} <video> markers but the sample has "
+                         f"{n_images} images and {n_videos} videos (with markers, every image and video needs one)")
+    return [{"type": part[1:-1]} if i % 2 else {"type": "text", "text": part}
+            for i, part in enumerate(parts) if part]
 
 
 def reward_meta(sample: VLMSample) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from torch import nn
 
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
+from mmgrpo.pipelines.vlm.data import chat_content
 from mmgrpo.pipelines.vlm.tiny import KINDS, tiny_path
 from mmgrpo.registry import MODEL_ADAPTERS
 
@@ -169,8 +170,10 @@ class VLMModel:
 
     def prompt_inputs(self, text: str, images: list[torch.Tensor], videos: list[torch.Tensor],
                       video_fps: list[float] | None = None) -> dict[str, torch.Tensor]:
-        """Chat-template one user turn (the images, then the videos, then ``text``) plus the assistant prompt, and
-        run the processor at the given sizes (each side only rounded to the patch grid, 28 px for Qwen2-VL).
+        """Chat-template one user turn plus the assistant prompt, and run the processor at the given sizes (each side
+        only rounded to the patch grid, 28 px for Qwen2-VL). The turn is ``text`` with the media at its
+        ``<image>``/``<video>`` markers, or the images, then the videos, then ``text`` when it has none
+        (:func:`~mmgrpo.pipelines.vlm.data.chat_content`, which raises ValueError for markers that do not match).
 
         ``images``: (3,H,W) uint8; ``videos``: (T,3,H,W) uint8, frames already sampled at ``video_fps`` (default
         2.0 each). Returns batch-1 tensors on ``device``: ``input_ids`` (1,P) int64, ``attention_mask`` (1,P),
@@ -185,8 +188,7 @@ class VLMModel:
                 raise ValueError(f"video {i} must be a (T,3,H,W) uint8 tensor, got {tuple(video.shape)} {video.dtype}")
         if video_fps is not None and len(video_fps) != len(videos):
             raise ValueError(f"video_fps has {len(video_fps)} entries for {len(videos)} videos")
-        content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
-        messages = [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+        messages = [{"role": "user", "content": chat_content(text, len(images), len(videos))}]
         chat = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         kwargs = {}
         if images:

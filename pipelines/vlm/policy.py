@@ -34,6 +34,7 @@ from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_confi
 from mmgrpo.policy import LogProbs, Policy, Rollout
 from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
+from mmgrpo.rewards.text_rules import PROBLEM_TYPES
 from mmgrpo.rewards.zoo import RewardError
 
 BAD_MEDIA_POLICIES = ("skip", "error")
@@ -66,10 +67,16 @@ class Prepared:
     """Sampled fps of each video."""
 
     def meta(self) -> dict[str, Any]:
-        """Reward meta: ground truth and problem type (:func:`reward_meta`) plus ``frames`` (video frames in)."""
+        """Reward meta: ground truth and problem type (:func:`reward_meta`) plus the inputs the model saw (the
+        decoded media, shared, not copied): ``image_paths`` / ``video_paths`` (absolute, as str), ``images``
+        ((3,H,W) uint8), ``videos`` ((T,3,H,W) uint8), ``video_fps`` (sampled frames per second) and ``frames``
+        (video frames in all). uint8, as decoded: float copies would hold 4x the memory over a held-out set."""
         sample = self.item.get("sample")
         meta = reward_meta(sample) if sample is not None else {}
-        meta["frames"] = sum(v.shape[0] for v in self.videos)
+        images, videos = (sample.images, sample.videos) if sample is not None else ([], [])
+        meta.update(image_paths=[str(p) for p in images], video_paths=[str(p) for p in videos],
+                    images=list(self.images), videos=list(self.videos),
+                    video_fps=list(self.fps), frames=sum(v.shape[0] for v in self.videos))
         return meta
 
 
@@ -107,6 +114,10 @@ def check_config(cfg: VLMConfig) -> None:
     if unknown:
         raise ConfigError(f"bad value {sorted(unknown)} for 'data.media_types': expected some of "
                           f"{', '.join(MEDIA_TYPES)}")
+    unknown = sorted(set(cfg.data.type_instructions) - set(PROBLEM_TYPES))
+    if unknown:
+        raise ConfigError(f"bad value for 'data.type_instructions': {unknown} are not problem types; expected some "
+                          f"of {', '.join(PROBLEM_TYPES)}")
     if cfg.prefix_grouper and cfg.model.attn_implementation == "flash_attention_2":
         raise ConfigError("prefix_grouper needs a block attention mask, which flash_attention_2 cannot take: set "
                           "'model.attn_implementation' to sdpa (its memory-efficient kernel takes the mask) or "
@@ -121,18 +132,22 @@ class VLMPolicy(Policy):
         check_config(cfg)
         self.cfg = cfg
         spec = tgrpo.bonus_spec(cfg)
+        self.train_items, self.held_items = self._read_datasets()  # bad data fails before any weights load
         keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
         self.vlm = VLMModel(cfg.model, PartialState().device, keep_reference=keep_reference)
         self.model = self.vlm.model
         self.cache = MediaCache()
         self.accuracy = None if spec is None else AccuracyReward(**spec.args.get("accuracy_args", {}))
-        self.train_items: list[dict] = []
         self._bad: dict[str, str] = {}
         """Source of every item found bad -> the counter it is reported under."""
         self._zoo: RewardZoo | None = None
 
     # ------------------------------------------------------------------------------------------------ data
     def datasets(self) -> tuple[list[dict], list[dict]]:
+        """(train items, held-out items) as read and checked at construction (:meth:`_read_datasets`)."""
+        return self.train_items, self.held_items
+
+    def _read_datasets(self) -> tuple[list[dict], list[dict]]:
         """Items ``{"prompt", "sample"}`` from ``data.train_file`` and ``data.eval_file`` (or the last
         ``data.num_eval`` training samples); held-out items are capped at ``data.num_eval``."""
         d = self.cfg.data
@@ -144,8 +159,7 @@ class VLMPolicy(Policy):
                 raise ConfigError(f"bad value for 'data.num_eval': holding out {d.num_eval} of the {len(train)} "
                                   f"samples of {d.train_file} leaves none to train on (or set data.eval_file)")
             train, held = train[:len(train) - d.num_eval], train[len(train) - d.num_eval:]
-        self.train_items = [self._item(s) for s in train]
-        return self.train_items, [self._item(s) for s in held]
+        return [self._item(s) for s in train], [self._item(s) for s in held]
 
     def read_items(self, path: str) -> list[dict]:
         """Items of another file (or ``task:...`` source, read as a held-out split) in the preset's data format,
@@ -169,7 +183,9 @@ class VLMPolicy(Policy):
         return samples
 
     def _item(self, sample: VLMSample) -> dict:
-        return {"prompt": render_prompt(sample, self.cfg.data.prompt_template), "sample": sample}
+        """``{"prompt": the rendered prompt (:func:`render_prompt`), "sample": sample}``."""
+        d = self.cfg.data
+        return {"prompt": render_prompt(sample, d.prompt_template, d.type_instructions), "sample": sample}
 
     def _prepare(self, item: dict) -> Prepared:
         """Decode the item's media (through the per-rollout cache) and encode its prompt. Raises MediaError or
@@ -305,6 +321,10 @@ class VLMPolicy(Policy):
                             group=group, completions=texts, meta=meta)
         return Rollout(group=group.to(self.vlm.device), old_logp=old, mask=trained, reward_batch=batch, data=data,
                        counters=dict(counters))
+
+    def max_units(self) -> int:
+        """``generation.max_new_tokens``: a rollout's width is its longest completion, which varies."""
+        return self.cfg.generation.max_new_tokens
 
     def _token_counters(self, data: dict[str, Any], truncated: torch.Tensor, rollout_tokens: int) -> dict:
         """``tokens/*``: prompt and vision tokens per prompt, completion lengths, the truncated fraction, tokens

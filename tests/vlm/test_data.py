@@ -11,15 +11,23 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgrpo.config import ConfigError
+from mmgrpo.config import ConfigError, load_config
 from mmgrpo.pipelines.vlm.config import VLMDataConfig, VLMVideoConfig
-from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, render_prompt, reward_meta, rotate_options
+from mmgrpo.pipelines.vlm.data import (
+    VLMSample,
+    chat_content,
+    read_samples,
+    render_prompt,
+    reward_meta,
+    rotate_options,
+)
 from mmgrpo.pipelines.vlm.synthetic import make_count_clip, make_motion_clip, write_tiny_dataset
 from mmgrpo.pipelines.vlm.video import decode_video
 from mmgrpo.rewards import AccuracyReward, RewardBatch
 from mmgrpo.rewards.text_rules import PROBLEM_TYPES
 
-TINY = Path(__file__).resolve().parents[2] / "assets" / "data" / "vlm_tiny"
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "assets" / "data" / "vlm_tiny"
 
 
 @pytest.fixture
@@ -164,6 +172,61 @@ def test_render_prompt_labels_and_braces():
         render_prompt(s, "{options}")
     with pytest.raises(ConfigError, match="has no {options}"):
         render_prompt(s, "{question}")
+
+
+def test_render_prompt_type_instruction():
+    template = "{question}{options}\nAnswer in tags.{type_instruction}"
+    told = {"multiple choice": " Give the letter.", "numerical": "\nGive the number."}
+    mc = VLMSample("Which?", "multiple choice", ["A. x", "B. y"], "A")
+    assert render_prompt(mc, template, told) == "Which?\nOptions:\nA. x\nB. y\nAnswer in tags. Give the letter."
+    assert render_prompt(VLMSample("How many?", "numerical", [], "3"), template, told) == \
+        "How many?\nAnswer in tags.\nGive the number."
+    for untold in (VLMSample("Read it.", "OCR", [], "hi"), VLMSample("Say.", None, [], "hi")):
+        assert render_prompt(untold, template, told) == f"{untold.question}\nAnswer in tags."
+    assert render_prompt(mc, template) == "Which?\nOptions:\nA. x\nB. y\nAnswer in tags."  # empty by default
+    with pytest.raises(ConfigError, match="has no {type_instruction}.*'multiple choice'"):
+        render_prompt(mc, "{question}{options}", told)
+    assert render_prompt(VLMSample("Read it.", "OCR", [], "hi"), "{question}", told) == "Read it."  # nothing lost
+
+
+def test_chat_content_places_media_at_the_markers():
+    assert chat_content("<image>Compare <image> with <video>.", 2, 1) == [
+        {"type": "image"}, {"type": "text", "text": "Compare "}, {"type": "image"}, {"type": "text", "text": " with "},
+        {"type": "video"}, {"type": "text", "text": "."}]
+    assert chat_content("<video><image>", 1, 1) == [{"type": "video"}, {"type": "image"}]
+    assert chat_content("No markers.", 2, 1) == [{"type": "image"}, {"type": "image"}, {"type": "video"},
+                                                 {"type": "text", "text": "No markers."}]
+    for text, images, videos in [("<image>x", 2, 0), ("<image><image>x", 1, 0), ("<image>x", 1, 1),
+                                 ("<video>x", 1, 0)]:
+        with pytest.raises(ValueError, match="markers but the sample has"):
+            chat_content(text, images, videos)
+
+
+def test_marker_count_mismatch_names_the_record(root: Path):
+    path = write_jsonl(root / "d.jsonl", [
+        {"problem": "<image>Same?<image>", "answer": "yes", "images": ["a.png", "b.jpg"]},
+        {"problem": "<image>Same?", "answer": "yes", "images": ["a.png", "b.jpg"]},
+    ])
+    good, bad = read_samples(path, root)
+    assert render_prompt(good, "{question}") == "<image>Same?<image>"
+    with pytest.raises(ConfigError, match=r"d\.jsonl:2: the prompt has 1 <image> and 0 <video> markers but the "
+                                          r"sample has 2 images and 0 videos"):
+        render_prompt(bad, "{question}")
+
+
+@pytest.mark.parametrize("preset", ["tiny_base", "tiny_image", "tiny_video_tgrpo", "demo_shapes"])
+def test_cpu_preset_prompts_are_unchanged(preset):
+    """The shipped tiny VLM was fine-tuned on these exact prompts: media first, then the bare question and options."""
+    cfg = load_config(ROOT / "configs" / "vlm" / f"{preset}.yaml")
+    samples = read_samples(ROOT / cfg.data.train_file, ROOT / cfg.data.root)
+    image = next(s for s in samples if s.images and s.question == "What colour is the triangle?")
+    video = next(s for s in samples if s.videos and s.question == "Which direction does the yellow circle move?")
+    prompt = render_prompt(image, cfg.data.prompt_template, cfg.data.type_instructions)
+    assert prompt == "What colour is the triangle?\nOptions:\nA. red\nB. green\nC. blue\nD. yellow"
+    assert chat_content(prompt, 1, 0) == [{"type": "image"}, {"type": "text", "text": prompt}]
+    prompt = render_prompt(video, cfg.data.prompt_template, cfg.data.type_instructions)
+    assert prompt == "Which direction does the yellow circle move?\nOptions:\nA. left\nB. right\nC. up\nD. down"
+    assert chat_content(prompt, 0, 1) == [{"type": "video"}, {"type": "text", "text": prompt}]
 
 
 def test_reward_meta_feeds_accuracy_reward(root: Path):

@@ -154,6 +154,29 @@ def test_prompt_inputs_several_images_and_a_video(vlm):
         vlm.model(**inputs)
 
 
+def test_prompt_inputs_put_the_media_at_the_markers(vlm):
+    """EasyR1 ``<image>``/``<video>`` markers: each medium's vision tokens land where its marker was, in order (the
+    two images have 2 and 3 tokens), and no marker is left as text."""
+    images, videos = [image(28, 56), image(84, 28, 1)], [video(2, 28, 28)]
+    inputs = vlm.prompt_inputs("Compare <image> with <image>, then<video>?", images, videos)
+    assert inputs["image_grid_thw"].tolist() == [[1, 2, 4], [1, 6, 2]]
+
+    def block(pad: str, n: int) -> str:
+        return "<|vision_start|>" + pad * n + "<|vision_end|>"
+
+    text = vlm.tokenizer.decode(inputs["input_ids"][0])
+    turn = (f"<|im_start|>user\nCompare {block('<|image_pad|>', 2)} with {block('<|image_pad|>', 3)}, then"
+            f"{block('<|video_pad|>', 1)}?<|im_end|>\n<|im_start|>assistant\n")
+    assert text.endswith(turn) and "<image>" not in text and "<video>" not in text
+    with torch.no_grad():  # placeholders and features agree: the forward runs
+        vlm.model(**inputs)
+    plain = vlm.tokenizer.decode(vlm.prompt_inputs("Compare.", images, videos)["input_ids"][0])
+    assert plain.endswith(f"user\n{block('<|image_pad|>', 2)}{block('<|image_pad|>', 3)}"
+                          f"{block('<|video_pad|>', 1)}Compare.<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="1 <image> and 0 <video> markers but the sample has 2 images"):
+        vlm.prompt_inputs("Compare <image>.", images, [])
+
+
 def test_prompt_inputs_rejects_wrong_layouts(vlm):
     with pytest.raises(ValueError, match="uint8"):
         vlm.prompt_inputs("x", [image(28, 28).float()], [])

@@ -17,6 +17,8 @@ from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.grpo import ppo_clip_loss
 from mmgrpo.pipelines.vlm.data import read_samples
 from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy
+from mmgrpo.pipelines.vlm.video import decode_video, load_image
+from mmgrpo.rewards import RewardZoo
 from mmgrpo.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,11 +240,49 @@ def test_prompt_over_the_token_budget(lora_policy):
         policy._bad.clear()
 
 
+def test_custom_reward_sees_the_inputs_the_model_saw(lora_policy, monkeypatch):
+    """A custom ``module:function`` reward, scored by the zoo on a real rollout, gets each sample's media paths and
+    decoded images / videos in [0,1]: the tensors that, back in uint8, give the rollout's pixel inputs exactly."""
+    import random_vlm
+
+    seen = []
+    monkeypatch.setattr(random_vlm, "seen_inputs", lambda batch: seen.append(batch) or [0.0] * len(batch),
+                        raising=False)
+    policy = lora_policy
+    samples = read_samples(DATA / "train.jsonl", DATA)
+    items = [policy._item(next(s for s in samples if s.images)), policy._item(next(s for s in samples if s.videos))]
+    rollout = rollout_of(policy, items)
+    assert policy.cache.stats()["misses"] == 2  # each file decoded once, for the model and the rewards alike
+    RewardZoo([RewardSpec(name="random_vlm:seen_inputs")])(rollout.reward_batch)
+    meta, g = seen[0].meta, policy.cfg.train.group_size
+    assert len(meta) == 2 * g
+    for row, item, inputs in zip((0, g), items, rollout.data["prompts"]):
+        m, sample = meta[row], item["sample"]
+        assert m["image_paths"] == [str(p) for p in sample.images]
+        assert m["video_paths"] == [str(p) for p in sample.videos]
+        assert all(t.dtype == torch.uint8 for t in m["images"] + m["videos"])
+        assert m["frames"] == sum(v.shape[0] for v in m["videos"]) and len(m["video_fps"]) == len(m["videos"])
+        again = policy.vlm.prompt_inputs(item["prompt"], m["images"], m["videos"], m["video_fps"])
+        assert again.keys() == inputs.keys() and all(torch.equal(again[k], inputs[k]) for k in inputs)
+        assert all(meta[row + k]["images"] is m["images"] for k in range(g))  # shared by the group, not copied
+    image, video = meta[0]["images"], meta[g]["videos"]
+    assert len(image) == 1 and not meta[0]["videos"] and len(video) == 1 and not meta[g]["images"]
+    grid = rollout.data["prompts"][0]["image_grid_thw"][0].tolist()
+    assert image[0].shape == (3, grid[1] * 14, grid[2] * 14)
+    expected = load_image(items[0]["sample"].images[0], policy.cfg.video)
+    assert torch.equal(image[0], expected)
+    grid = rollout.data["prompts"][1]["video_grid_thw"][0].tolist()
+    assert video[0].shape == (grid[0] * 2, 3, grid[1] * 14, grid[2] * 14) and video[0].shape[0] == 4
+    frames, fps = decode_video(items[1]["sample"].videos[0], policy.cfg.video)
+    assert torch.equal(video[0], frames) and meta[g]["video_fps"] == [fps]
+
+
 def test_generate_and_save_samples(lora_policy, tmp_path):
     policy = lora_policy
     _, held = policy.datasets()
     batch = policy.generate(held[:2] + [{"prompt": "Say hi."}])
-    assert len(batch) == 3 and batch.meta[2] == {"frames": 0, "truncated": batch.meta[2]["truncated"]}
+    assert len(batch) == 3 and batch.meta[2] == {"image_paths": [], "video_paths": [], "images": [], "videos": [],
+                                                 "video_fps": [], "frames": 0, "truncated": batch.meta[2]["truncated"]}
     again = policy.generate(held[:2])
     assert again.completions == batch.completions[:2]  # greedy at eval_temperature 0
     files = policy.save_samples(batch, tmp_path, "eval")
@@ -334,6 +374,24 @@ def test_full_checkpoint_loads_with_transformers(tmp_path):
     shutil.rmtree(Path(cfg.output_dir) / "checkpoints")
 
 
+def test_bad_data_fails_before_the_model_loads(tmp_path):
+    """The data files are read and checked before any weights: with a model path that does not exist, the error
+    is still the data file's, naming its line."""
+    lines = (DATA / "train.jsonl").read_text().splitlines()[:3]
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join([lines[0], lines[1][:40], lines[2]]) + "\n")
+    absent = f"model.path={tmp_path / 'no-such-model'}"
+    with pytest.raises(ConfigError, match=r"broken\.jsonl:2: malformed JSON"):
+        VLMPolicy(config(tmp_path, overrides=(absent, f"data.train_file={broken}")))
+    marked = tmp_path / "marked.jsonl"
+    record = {"problem": "<image><image>Same?", "answer": "yes", "images": ["images/colour_00.png"]}
+    marked.write_text(json.dumps(record))
+    with pytest.raises(ConfigError, match=r"marked\.jsonl:1: the prompt has 2 <image>"):
+        VLMPolicy(config(tmp_path, overrides=(absent, f"data.eval_file={marked}")))
+    with pytest.raises(ConfigError, match="model.path"):  # the data is fine: now the model path is the error
+        VLMPolicy(config(tmp_path, overrides=(absent,)))
+
+
 def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="generation.backend.*not available"):
         VLMPolicy(config(tmp_path, overrides=("generation.backend=vllm",)))
@@ -341,6 +399,8 @@ def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
         VLMPolicy(config(tmp_path, overrides=("data.on_bad_media=ignore",)))
     with pytest.raises(ConfigError, match="data.media_types"):
         VLMPolicy(config(tmp_path, overrides=("data.media_types=[audio]",)))
+    with pytest.raises(ConfigError, match=r"data.type_instructions.*\['mcq'\].*multiple choice"):
+        VLMPolicy(config(tmp_path, overrides=("data.type_instructions={mcq: ' Letter only.'}",)))
     # checked on the configured value: on CPU flash_attention_2 would fall back to sdpa and hide the clash
     with pytest.raises(ConfigError, match="model.attn_implementation"):
         VLMPolicy(config(tmp_path, overrides=("model.attn_implementation=flash_attention_2", "prefix_grouper=true")))
