@@ -37,6 +37,18 @@ class Entry:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def plugin_info(obj: Any) -> dict[str, Any]:
+    """The listing facts a component carries itself, for the entries the registry did not register by hand (an
+    entry point, a ``module:attr`` path): its ``mmgrpo_info`` dict (``kind``, ``modality``, ``description``...),
+    completed by its own string ``kind`` and ``modality`` attributes (a ``Reward`` subclass has both)."""
+    info = dict(getattr(obj, "mmgrpo_info", None) or {})
+    for key in ("kind", "modality"):
+        value = getattr(obj, key, None)
+        if isinstance(value, str):
+            info.setdefault(key, value)
+    return info
+
+
 def import_path(path: str) -> Any:
     """Resolve ``package.module:attribute`` (the attribute may be dotted) to the object it names."""
     module_name, _, attr = path.partition(":")
@@ -58,7 +70,8 @@ class Registry:
     """A name -> factory table for one kind of component.
 
     ``entry_point_group`` names a packaging entry-point group (for example ``mmgrpo.rewards``) whose entries are
-    added the first time the registry is read, so installed plug-in packages register themselves.
+    added the first time the registry is read, so installed plug-in packages register themselves; their listing
+    facts come from :func:`plugin_info`, as for a ``module:attr`` path.
     ``builtin_modules`` are imported lazily on first read, so that registering does not import heavy libraries at
     ``import mmgrpo`` time.
     """
@@ -90,13 +103,14 @@ class Registry:
         if self.entry_point_group:
             for ep in metadata.entry_points(group=self.entry_point_group):
                 if ep.name not in self._entries:
-                    self._entries[ep.name] = Entry(ep.name, ep.load(), {"source": f"entry point {ep.value}"})
+                    obj = ep.load()
+                    self._entries[ep.name] = Entry(ep.name, obj, {**plugin_info(obj), "source": f"entry point {ep.value}"})
 
     def entry(self, name: str) -> Entry:
         """The entry for a registered name, or a synthetic one for ``package.module:attribute``."""
         if ":" in name:
             obj = import_path(name)
-            return Entry(name, obj, dict(getattr(obj, "mmgrpo_info", {})))
+            return Entry(name, obj, plugin_info(obj))
         self._load()
         if name not in self._entries:
             close = difflib.get_close_matches(name, list(self._entries), n=1)

@@ -3,7 +3,9 @@
 It reproduces the evaluation transforms of open_clip and of transformers' ``CLIPImageProcessor``:
 
 - ``shortest``: resize so the shorter side matches the model's size (torchvision ``Resize(int)`` rule: the long side
-  becomes ``int(size * long / short)``), then center crop (torchvision's rounding of the offsets);
+  becomes ``int(size * long / short)``), then center crop; the crop offset is rounded as torchvision and open_clip do
+  (``crop_offset="round"``) or floored as transformers' image processors do (``crop_offset="floor"``), which differ
+  by one pixel when the margin is odd;
 - ``longest``: resize so the longer side matches, then pad with ``fill`` and center crop (open_clip's
   ``ResizeKeepRatio(longest=1)`` + ``CenterCropOrPad``; HPSv2's evaluation transform);
 - ``squash``: resize both sides to the target, ignoring the aspect ratio.
@@ -27,6 +29,7 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESIZE_MODES = ("shortest", "longest", "squash")
 INTERPOLATIONS = ("bicubic", "bilinear")
+CROP_OFFSETS = ("round", "floor")
 
 
 def _pair(size: int | Sequence[int]) -> tuple[int, int]:
@@ -62,16 +65,21 @@ def resize(images: torch.Tensor, size: tuple[int, int], interpolation: str = "bi
     return out.clamp_(0.0, 1.0)
 
 
-def center_crop_or_pad(images: torch.Tensor, size: tuple[int, int], fill: float = 0.0) -> torch.Tensor:
-    """``images`` (B, C, H, W) -> (B, C, *size): pad with ``fill`` where smaller, then center crop (torchvision's
-    offsets: ``round((H - h) / 2)``, Python's half-to-even)."""
+def center_crop_or_pad(images: torch.Tensor, size: tuple[int, int], fill: float = 0.0,
+                       offset: str = "round") -> torch.Tensor:
+    """``images`` (B, C, H, W) -> (B, C, *size): pad with ``fill`` where smaller, then center crop. The crop's top
+    and left offsets are ``round((H - h) / 2)`` (``offset="round"``: torchvision and open_clip, Python's
+    half-to-even) or ``(H - h) // 2`` (``offset="floor"``: transformers' image processors)."""
     height, width = images.shape[-2:]
     crop_h, crop_w = size
     if crop_h > height or crop_w > width:
         pad_w, pad_h = max(crop_w - width, 0), max(crop_h - height, 0)
         images = F.pad(images, (pad_w // 2, (pad_w + 1) // 2, pad_h // 2, (pad_h + 1) // 2), value=fill)
         height, width = images.shape[-2:]
-    top, left = round((height - crop_h) / 2.0), round((width - crop_w) / 2.0)
+    if offset == "floor":
+        top, left = (height - crop_h) // 2, (width - crop_w) // 2
+    else:
+        top, left = round((height - crop_h) / 2.0), round((width - crop_w) / 2.0)
     return images[..., top:top + crop_h, left:left + crop_w]
 
 
@@ -84,6 +92,8 @@ class ClipPreprocess:
     - ``resize_mode``: ``shortest`` (resize + center crop), ``longest`` (resize + pad) or ``squash``.
     - ``interpolation``: ``bicubic`` or ``bilinear``.
     - ``fill``: the padding value of ``longest`` mode, in [0, 1] pixel units (0 = black, as open_clip).
+    - ``crop_offset``: how an odd crop margin is split: ``round`` (torchvision / open_clip) or ``floor``
+      (transformers); see :func:`center_crop_or_pad`.
     """
 
     size: tuple[int, int]
@@ -92,6 +102,7 @@ class ClipPreprocess:
     resize_mode: str = "shortest"
     interpolation: str = "bicubic"
     fill: float = 0.0
+    crop_offset: str = "round"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "size", _pair(self.size))
@@ -99,6 +110,8 @@ class ClipPreprocess:
             raise ValueError(f"resize_mode must be one of {RESIZE_MODES}; got '{self.resize_mode}'")
         if self.interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}; got '{self.interpolation}'")
+        if self.crop_offset not in CROP_OFFSETS:
+            raise ValueError(f"crop_offset must be one of {CROP_OFFSETS}; got '{self.crop_offset}'")
         for name in ("mean", "std"):
             value = tuple(float(v) for v in getattr(self, name))
             object.__setattr__(self, name, value * 3 if len(value) == 1 else value)
@@ -110,7 +123,7 @@ class ClipPreprocess:
         x = images.to(torch.float32)
         x = resize(x, resized_size(x.shape[-2], x.shape[-1], self.size, self.resize_mode), self.interpolation)
         if self.resize_mode != "squash":
-            x = center_crop_or_pad(x, self.size, self.fill)
+            x = center_crop_or_pad(x, self.size, self.fill, self.crop_offset)
         mean = torch.tensor(self.mean, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
         std = torch.tensor(self.std, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
         return ((x - mean) / std).to(dtype)
@@ -134,7 +147,8 @@ class ClipPreprocess:
     @classmethod
     def from_hf_image_processor(cls, processor: Any) -> ClipPreprocess:
         """The transform of a transformers ``CLIPImageProcessor`` (or a processor holding one): its ``size``
-        (``shortest_edge`` or ``height``/``width``), ``crop_size``, ``resample``, ``image_mean`` and ``image_std``."""
+        (``shortest_edge`` or ``height``/``width``), ``crop_size``, ``resample``, ``image_mean`` and ``image_std``,
+        with transformers' floored crop offsets."""
         ip = getattr(processor, "image_processor", processor)
 
         def field(size: Any, key: str) -> Any:
@@ -163,4 +177,5 @@ class ClipPreprocess:
             std=tuple(getattr(ip, "image_std", OPENAI_CLIP_STD)),
             resize_mode=mode,
             interpolation="bilinear" if resample == 2 else "bicubic",
+            crop_offset="floor",
         )

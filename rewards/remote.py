@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 import warnings
 from typing import Any
 
@@ -23,7 +24,7 @@ from mmgrpo.registry import REWARDS
 
 from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
 from .clip_models import one_line
-from .server import DEFAULT_TOKEN_ENV, JSON_TYPE, encode_request, is_loopback, scores_from_json
+from .server import DEFAULT_TOKEN_ENV, JSON_TYPE, WIRE_VERSION, encode_request, is_loopback, scores_from_json
 
 RETRY_STATUS = (429, 502, 503, 504)
 """HTTP answers worth retrying: rate limited, or a proxy / server that is (re)starting or overloaded."""
@@ -35,6 +36,10 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class RemoteError(RuntimeError):
     """An HTTP request that failed for good; ``str()`` is one line that names the URL."""
+
+
+class WireVersionError(RuntimeError):
+    """The reward server speaks another wire version than this client: not retried, and never scored NaN."""
 
 
 def request_json(url: str, payload: Any = None, *, body: bytes | None = None, content_type: str = JSON_TYPE,
@@ -108,7 +113,10 @@ class RemoteReward(Reward):
     (as ``score`` and the sub-score names).
 
     The batch is sent in requests of at most ``max_batch`` samples that hold whole groups, so groupwise server
-    rewards see whole groups. Images and videos travel in memory as ``encoding`` arrays (see :mod:`.server`).
+    rewards see whole groups. Images and videos travel in memory as ``encoding`` arrays (see :mod:`.server`). Each
+    request carries a random ``request_id``, so a retry after a timeout is answered from the server's first scoring
+    of it, not scored twice. Before its first request the reward reads the server's ``/health`` (with the same
+    retries) and raises :class:`WireVersionError` if the server speaks another wire version.
 
     Args:
         url: the server's base URL, ``http://host:port``.
@@ -144,11 +152,25 @@ class RemoteReward(Reward):
         token = os.environ.get(token_env)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.failed_requests = 0
+        self.version_checked = False
+
+    def _check_version(self) -> None:
+        """The server's ``GET /health`` must report this client's ``WIRE_VERSION`` (checked once)."""
+        health = request_json(f"{self.url}/health", headers=self.headers, timeout=self.timeout,
+                              retries=self.retries, backoff=self.backoff)
+        version = health.get("wire_version") if isinstance(health, dict) else None
+        if version != WIRE_VERSION:
+            raise WireVersionError(f"remote: the server at {self.url} speaks reward wire version {version!r} and this "
+                                   f"client {WIRE_VERSION}: run the same mmgrpo version on both sides")
+        self.version_checked = True
 
     def _request(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
         """One request: ``{"score": main, sub: ...}`` for ``batch``."""
+        if not self.version_checked:
+            self._check_version()
         endpoint = f"{self.url}/v1/score"
-        content_type, body = encode_request(batch, None if self.reward is None else [self.reward], self.encoding)
+        content_type, body = encode_request(batch, None if self.reward is None else [self.reward], self.encoding,
+                                            request_id=uuid.uuid4().hex)
         answer = request_json(endpoint, body=body, content_type=content_type, headers=self.headers,
                               timeout=self.timeout, retries=self.retries, backoff=self.backoff)
         try:

@@ -3,13 +3,20 @@
 Use it to run a reward in another process, machine or Python environment (a large judge on its own GPUs, a reward
 whose package conflicts with this project's dependencies) and score through the ``remote`` reward.
 
-Wire format (version 1; JSON, with an optional binary part for arrays):
+Wire format (version 2; JSON, with an optional binary part for arrays):
 
-- ``GET /health`` -> ``{"status": "ok", "wire_version": 1, "rewards": [{"name", "kind", "modality", "weight"}]}``.
+- ``GET /health`` -> ``{"status": "ok", "wire_version": 2, "rewards": [{"name", "kind", "modality", "weight"}]}``.
+  The ``remote`` reward reads it once, before its first batch, and refuses a server of another version.
 - ``POST /v1/score`` with a batch, as the JSON object::
 
       {"prompts": [B strings], "group": [B ints], "completions": [B strings] or null, "meta": [B objects],
-       "images": ARRAY or null, "videos": ARRAY or null, "rewards": [names] or null (null = all)}
+       "images": ARRAY or null, "videos": ARRAY or null, "rewards": [names] or null (null = all),
+       "request_id": string or null}
+
+  ``request_id`` (optional, at most 128 characters) makes retries idempotent: a request whose id is among the last
+  ``RECENT_REQUESTS`` ids the server received is not scored again but gets the answer of the first delivery (waiting
+  for it while it is still being scored). A client that timed out while the server was scoring can so resend the
+  batch without the server scoring it twice. Ids must be unique per batch (``remote`` sends a random UUID).
 
   ``images`` is (B, 3, H, W) and ``videos`` (B, T, 3, H, W); uint8 values mean value / 255, float values are in
   [0, 1]. Tensors inside ``meta`` travel as ``{"$array": ARRAY}`` and arrive as tensors of the same dtype.
@@ -51,6 +58,7 @@ import math
 import os
 import queue
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -70,7 +78,11 @@ from .zoo import RewardZoo
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+"""Version of the wire format below; 2 added ``request_id``."""
+RECENT_REQUESTS = 64
+"""How many request ids (with their answers) the server remembers to answer retries without scoring again."""
+MAX_REQUEST_ID = 128
 DEFAULT_PORT = 8765
 DEFAULT_TOKEN_ENV = "MMGRPO_REWARD_TOKEN"
 JSON_TYPE = "application/json"
@@ -166,23 +178,25 @@ def decode_meta(value: Any, blob: bytes = b"", where: str = "meta") -> Any:
 
 
 def encode_request(batch: RewardBatch, rewards: list[str] | None = None, encoding: str = "float16",
-                   binary: bool = True) -> tuple[str, bytes]:
+                   binary: bool = True, request_id: str | None = None) -> tuple[str, bytes]:
     """``(content_type, body)`` of the request scoring ``batch`` with the server rewards ``rewards`` (None = all):
-    binary (arrays as raw bytes after the JSON line) or plain JSON (arrays inline as base64)."""
+    binary (arrays as raw bytes after the JSON line) or plain JSON (arrays inline as base64). ``request_id`` lets
+    the server answer a resent copy without scoring it again."""
     blobs: list[bytes] | None = [] if binary else None
     header = {"prompts": list(batch.prompts), "group": [int(g) for g in batch.group.tolist()],
               "completions": None if batch.completions is None else list(batch.completions),
               "meta": encode_meta(list(batch.meta), blobs), "images": encode_pixels(batch.images, encoding, blobs),
-              "videos": encode_pixels(batch.videos, encoding, blobs), "rewards": rewards}
+              "videos": encode_pixels(batch.videos, encoding, blobs), "rewards": rewards,
+              "request_id": request_id}
     head = json.dumps(header).encode("utf-8")
     if blobs is None:
         return JSON_TYPE, head
     return BINARY_TYPE, b"".join([head, b"\n", *blobs])
 
 
-def decode_request(content_type: str, body: bytes) -> tuple[RewardBatch, list[str] | None]:
-    """The batch and requested reward names of a request body; ``ValueError`` / ``TypeError`` with one line when
-    malformed."""
+def decode_request(content_type: str, body: bytes) -> tuple[RewardBatch, list[str] | None, str | None]:
+    """The batch, requested reward names and request id of a request body; ``ValueError`` / ``TypeError`` with one
+    line when malformed."""
     kind = content_type.split(";")[0].strip().lower()
     if kind == BINARY_TYPE:
         head, _, blob = body.partition(b"\n")
@@ -193,7 +207,8 @@ def decode_request(content_type: str, body: bytes) -> tuple[RewardBatch, list[st
     obj = json.loads(head)
     if not isinstance(obj, dict):
         raise TypeError("the request must be a JSON object")
-    unknown = sorted(set(obj) - {"prompts", "group", "completions", "meta", "images", "videos", "rewards"})
+    unknown = sorted(set(obj) - {"prompts", "group", "completions", "meta", "images", "videos", "rewards",
+                                 "request_id"})
     if unknown:
         raise ValueError(f"unknown request fields {unknown}")
     if not isinstance(obj.get("prompts"), list) or not isinstance(obj.get("group"), list):
@@ -201,6 +216,9 @@ def decode_request(content_type: str, body: bytes) -> tuple[RewardBatch, list[st
     rewards = obj.get("rewards")
     if rewards is not None and not (isinstance(rewards, list) and all(isinstance(r, str) for r in rewards)):
         raise ValueError("'rewards' must be a list of reward names or null")
+    request_id = obj.get("request_id")
+    if request_id is not None and not (isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID):
+        raise ValueError(f"'request_id' must be a string of 1 to {MAX_REQUEST_ID} characters or null")
     try:
         group = torch.tensor(obj["group"], dtype=torch.int64)
     except (TypeError, ValueError, RuntimeError):
@@ -214,7 +232,7 @@ def decode_request(content_type: str, body: bytes) -> tuple[RewardBatch, list[st
                         images=decode_pixels(obj.get("images"), "images", 4, blob),
                         videos=decode_pixels(obj.get("videos"), "videos", 5, blob),
                         completions=completions, meta=decode_meta(meta, blob))
-    return batch, rewards
+    return batch, rewards, request_id
 
 
 def scores_to_json(scores: torch.Tensor) -> list[float | None]:
@@ -300,13 +318,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _reply(self, status: int, obj: dict[str, Any]) -> None:
         body = json.dumps(obj).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
         self.close_connection = True
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (timed out); its retry gets the answer
+            pass
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer an error before reading the body: the body (up to the size limit) is read and dropped first, so
@@ -350,7 +371,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._refuse(413, f"request of {int(length)} bytes is over the limit of {limit} bytes")
             return
         try:
-            batch, names = decode_request(self.headers.get("Content-Type", JSON_TYPE), self.rfile.read(int(length)))
+            batch, names, request_id = decode_request(self.headers.get("Content-Type", JSON_TYPE),
+                                                      self.rfile.read(int(length)))
         except (ValueError, TypeError) as err:  # bad JSON, fields or arrays (UnicodeDecodeError is a ValueError)
             self._reply(400, {"error": f"bad request: {one_line(err)}"})
             return
@@ -360,7 +382,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"error": f"this server has no reward {unknown}; it serves {owner.zoo.names}"})
             return
         try:
-            answer = owner.score(batch, names)
+            answer = owner.score(batch, names, request_id)
         except Exception as err:  # noqa: BLE001 - a reward failed: tell the client which, keep serving
             self._reply(500, {"error": one_line(err)})
             return
@@ -403,6 +425,8 @@ class RewardServer:
             raise BindError(f"reward server: cannot listen on {host}:{port}: {err.strerror or err}") from None
         self._httpd.owner = self
         self._jobs: queue.Queue = queue.Queue()
+        self._recent: OrderedDict[str, Future] = OrderedDict()
+        self._recent_lock = threading.Lock()
         self._worker = threading.Thread(target=self._work, name="reward-server-worker", daemon=True)
         self._worker.start()
         self._thread: threading.Thread | None = None
@@ -419,10 +443,19 @@ class RewardServer:
                    for n, r, w in zip(self.zoo.names, self.zoo.rewards, self.zoo.weights.tolist())]
         return {"status": "ok", "wire_version": WIRE_VERSION, "rewards": rewards}
 
-    def score(self, batch: RewardBatch, names: list[str] | None) -> dict[str, Any]:
-        """Queue ``batch`` for the worker and wait for its JSON answer (rewards ``names``, None = all)."""
-        job: Future = Future()
-        self._jobs.put((batch, names, job))
+    def score(self, batch: RewardBatch, names: list[str] | None, request_id: str | None = None) -> dict[str, Any]:
+        """Queue ``batch`` for the worker and wait for its JSON answer (rewards ``names``, None = all). A
+        ``request_id`` among the last ``RECENT_REQUESTS`` is not queued again: its first delivery's answer (or
+        error) is returned, once ready."""
+        with self._recent_lock:
+            job = self._recent.get(request_id) if request_id else None
+            if job is None:
+                job = Future()
+                self._jobs.put((batch, names, job))
+                if request_id:
+                    self._recent[request_id] = job
+                    if len(self._recent) > RECENT_REQUESTS:
+                        self._recent.popitem(last=False)
         return job.result()
 
     def _work(self) -> None:

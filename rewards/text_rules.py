@@ -334,9 +334,12 @@ _SECONDS_RE = re.compile(r"\d+(?:\.\d+)?")
 
 def parse_interval(value: Any) -> tuple[float, float] | None:
     """``(start, end)`` seconds from ``[s, e]``, ``s-e``, ``s to e`` (exactly two non-negative numbers, start <= end)
-    or from a 2-sequence of numbers; None otherwise."""
+    or from a 2-sequence of numbers; None otherwise (also for a sequence holding something that is not a number)."""
     if isinstance(value, (list, tuple)):
-        numbers = [float(v) for v in value]
+        try:
+            numbers = [float(v) for v in value]
+        except (TypeError, ValueError):
+            return None
     else:
         numbers = [float(v) for v in _SECONDS_RE.findall(str(value))]
     if len(numbers) != 2 or not 0 <= numbers[0] <= numbers[1]:

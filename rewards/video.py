@@ -35,7 +35,7 @@ def videos_or_raise(batch: RewardBatch, reward: str) -> torch.Tensor:
     """The batch's videos as (B, T, 3, H, W) float32 RGB in [0, 1]; ``ValueError`` naming ``reward`` if none."""
     if batch.videos is None:
         raise ValueError(f"reward '{reward}' needs videos; this batch has none")
-    return as_rgb_videos(batch.videos)
+    return as_rgb_videos(batch.videos, reward)
 
 
 def _reduce(scores: torch.Tensor, how: str) -> torch.Tensor:

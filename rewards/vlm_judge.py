@@ -4,7 +4,8 @@
   ``score`` (a rating "Score: N" in a range), ``artifacts`` (MagicAssessor-style artifact list as JSON) or
   ``video_align`` (VideoAlign-style VQ / MQ / TA ratings of a video).
 - ``vlm_pairwise`` (groupwise): the judge compares every pair of samples of a prompt group; each sample's reward is
-  its win rate (Pref-GRPO, through :func:`~mmgrpo.rewards.winrate.pairwise_win_rate`).
+  its win rate (Pref-GRPO, through :func:`~mmgrpo.rewards.winrate.pairwise_win_rate`). Presets: ``better`` ("Better:
+  A / B / tie") and ``unified_reward`` (UnifiedReward's "Image 1 is better than Image 2." conclusions).
 
 The judge itself is a :class:`JudgeBackend`: a local transformers model (:class:`TransformersJudge`, Qwen2-VL family,
 loaded once, batched greedy generation, tensors in) or any OpenAI-compatible chat-completions endpoint such as vLLM
@@ -20,8 +21,9 @@ import json
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -62,13 +64,63 @@ VIDEO_ALIGN_TEMPLATE = (
     "plausible motion); TA, text alignment (how well it matches the request).\n"
     "Reply with exactly three lines: VQ: N, MQ: N and TA: N"
 )
+PRESETS = {"score": SCORE_TEMPLATE, "artifacts": ARTIFACTS_TEMPLATE, "video_align": VIDEO_ALIGN_TEMPLATE}
+VIDEO_ALIGN_KEYS = ("VQ", "MQ", "TA")
+SUBSCORES = {"score": ("score", "parse_fail"), "artifacts": ("score", "artifacts", "parse_fail"),
+             "video_align": (*VIDEO_ALIGN_KEYS, "score", "parse_fail")}
+"""What :class:`VLMJudge` returns for each preset."""
+
 PAIRWISE_TEMPLATE = (
     'Two {subject}s, A and B, were made for this request: "{prompt}".\n'
     "Which one fulfils the request better, with higher overall quality?\n"
     "Reply with exactly one line: Better: A, Better: B or Better: tie"
 )
-PRESETS = {"score": SCORE_TEMPLATE, "artifacts": ARTIFACTS_TEMPLATE, "video_align": VIDEO_ALIGN_TEMPLATE}
-VIDEO_ALIGN_KEYS = ("VQ", "MQ", "TA")
+UNIFIED_REWARD_PAIRWISE_TEMPLATE = (
+    "You are given a text caption and two {subject}s generated from it. Compare them on two criteria:\n"
+    "1. Alignment with the caption: how accurately each {subject} shows the objects, attributes and relations the "
+    "caption describes.\n"
+    "2. Overall quality: clarity, detail, colour accuracy and aesthetic appeal.\n"
+    "Pick the {subject} that follows the caption better while having the higher quality.\n"
+    'Give a clear conclusion such as "{Subject} 1 is better than {Subject} 2.", "{Subject} 2 is better than '
+    '{Subject} 1." or "Both {subject}s are equally good."\n'
+    "Text Caption: [{prompt}]"
+)
+VERDICTS = {"A": 1.0, "B": 0.0, "tie": 0.5}
+"""P(first beats second) of each pairwise verdict: ``A`` (the first sample shown wins), ``B`` or ``tie``."""
+BETTER_PATTERNS = {
+    "A": r"\bbetter\s*[:=]\s*\**\s*A\b|\A[\s*.\"']*A[\s*.\"']*\Z",
+    "B": r"\bbetter\s*[:=]\s*\**\s*B\b|\A[\s*.\"']*B[\s*.\"']*\Z",
+    "tie": r"\bbetter\s*[:=]\s*\**\s*tie\b|\A[\s*.\"']*tie[\s*.\"']*\Z",
+}
+"""``Better: A`` / ``B`` / ``tie`` (``better = **B**`` too), or an answer that is just ``A``, ``B`` or ``tie``."""
+_SUBJECT = r"\b(?:image|video|response)\s*"
+UNIFIED_REWARD_PATTERNS = {
+    "A": rf"{_SUBJECT}1\**\s+is\s+(?:the\s+)?better\b|{_SUBJECT}2\**\s+is\s+(?:the\s+)?worse\b",
+    "B": rf"{_SUBJECT}2\**\s+is\s+(?:the\s+)?better\b|{_SUBJECT}1\**\s+is\s+(?:the\s+)?worse\b",
+    "tie": r"\bequally\s+(?:good|bad)\b",
+}
+"""UnifiedReward's conclusions: ``Image 1 is better than Image 2.``, ``Image 2 is better ...`` (also ``is the
+better``, ``... is worse``, ``Video`` / ``Response`` and bold markup), ``Both images are equally good.``"""
+
+
+@dataclass(frozen=True)
+class PairwisePreset:
+    """How a pairwise judge is asked and read.
+
+    - ``template``: the prompt (see :class:`VLMPairwise`'s ``template``).
+    - ``labels``: the names of the first and second sample in the request (``Image A:`` / ``Image 1:``).
+    - ``patterns``: verdict (``A``, ``B``, ``tie``) -> case-insensitive regex of an answer giving it.
+    """
+
+    template: str
+    labels: tuple[str, str]
+    patterns: Mapping[str, str]
+
+
+PAIRWISE_PRESETS = {
+    "better": PairwisePreset(PAIRWISE_TEMPLATE, ("A", "B"), BETTER_PATTERNS),
+    "unified_reward": PairwisePreset(UNIFIED_REWARD_PAIRWISE_TEMPLATE, ("1", "2"), UNIFIED_REWARD_PATTERNS),
+}
 
 
 def fill(template: str, **values: Any) -> str:
@@ -93,12 +145,32 @@ def parse_score(text: str, lo: float, hi: float, label: str = "Score") -> float 
     return value if lo <= value <= hi else None
 
 
-def parse_choice(text: str) -> float | None:
-    """P(A beats B) from a pairwise answer: ``Better: A`` -> 1, ``Better: B`` -> 0, ``Better: tie`` -> 0.5 (the last
-    such line counts; a bare ``A`` / ``B`` / ``tie`` answer works too); None when unparsable."""
-    found = re.findall(r"\bbetter\s*[:=]\s*\**\s*(A|B|tie)\b", text, flags=re.IGNORECASE)
-    choice = found[-1] if found else text.strip().strip("*.\"' ")
-    return {"a": 1.0, "b": 0.0, "tie": 0.5}.get(choice.lower())
+def check_patterns(patterns: Mapping[str, str], reward: str) -> dict[str, str]:
+    """``patterns`` (verdict -> regex) as a dict, after checking that it gives ``A`` and ``B`` (``tie`` optional),
+    nothing else, and that every regex compiles; ``ValueError`` naming ``reward`` otherwise."""
+    patterns = dict(patterns)
+    if not {"A", "B"} <= set(patterns) <= set(VERDICTS):
+        raise ValueError(f"{reward}: answer_patterns needs the verdicts 'A' and 'B' (and optionally 'tie'), "
+                         f"nothing else; got {sorted(patterns)}")
+    for verdict, pattern in patterns.items():
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as err:
+            raise ValueError(f"{reward}: answer_patterns['{verdict}'] is not a regex: {err}") from None
+    return patterns
+
+
+def parse_choice(text: str, patterns: Mapping[str, str] = BETTER_PATTERNS) -> float | None:
+    """P(A beats B) from a pairwise answer: 1 for the verdict ``A``, 0 for ``B``, 0.5 for ``tie``, where
+    ``patterns`` maps each verdict to a case-insensitive regex. The verdict matched last in ``text`` wins (a
+    judge's conclusion comes after its reasoning); None when no pattern matches, or two verdicts match there."""
+    hits = [(m.start(), verdict) for verdict, pattern in patterns.items()
+            for m in re.finditer(pattern, text, flags=re.IGNORECASE)]
+    if not hits:
+        return None
+    last = max(start for start, _ in hits)
+    verdicts = {verdict for start, verdict in hits if start == last}
+    return VERDICTS[verdicts.pop()] if len(verdicts) == 1 else None
 
 
 def parse_artifacts(text: str) -> list[float] | None:
@@ -269,6 +341,11 @@ def judge_frames(video: torch.Tensor, input_fps: float, fps: float, max_frames: 
     return video[sample_frame_indices(total, count - count % 2)]
 
 
+def empty_scores(keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The result of scoring an empty batch: a (0,) float64 tensor for each of ``keys``."""
+    return {key: torch.empty(0, dtype=torch.float64) for key in keys}
+
+
 class _JudgeReward(Reward):
     """Shared by the judge rewards: the backend, and each sample turned into what the judge sees."""
 
@@ -296,9 +373,9 @@ class _JudgeReward(Reward):
     def subjects(self, batch: RewardBatch) -> tuple[str, list[Any]]:
         """What is judged: ``("image", images)``, ``("video", frames)`` or ``("response", completions)``."""
         if batch.images is not None:
-            return "image", list(as_rgb_images(batch.images).cpu())
+            return "image", list(as_rgb_images(batch.images, self.name).cpu())
         if batch.videos is not None:
-            videos = as_rgb_videos(batch.videos).cpu()
+            videos = as_rgb_videos(batch.videos, self.name).cpu()
             frames = []
             for video, meta in zip(videos, batch.meta):
                 input_fps = meta.get("fps", self.input_fps)
@@ -397,6 +474,9 @@ class VLMJudge(_JudgeReward):
         return out
 
     def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
+        keys = SUBSCORES[self.preset]
+        if len(batch) == 0:
+            return empty_scores(keys)
         subject, items = self.subjects(batch)
         if self.preset == "video_align" and subject != "video":
             raise ValueError(f"vlm_judge: the video_align preset judges videos; this batch has {subject}s")
@@ -405,25 +485,35 @@ class VLMJudge(_JudgeReward):
             text = fill(self.template, prompt=prompt, subject=subject, lo=f"{self.lo:g}", hi=f"{self.hi:g}")
             requests.append([f"Response:\n{item}\n\n{text}"] if subject == "response" else [item, text])
         rows = [self.read(answer) for answer in self.backend.generate(requests)]
-        return {key: torch.tensor([row[key] for row in rows], dtype=torch.float64) for key in rows[0]}
+        return {key: torch.tensor([row[key] for row in rows], dtype=torch.float64) for key in keys}
 
 
 @REWARDS.register("vlm_pairwise", kind=GROUPWISE, modality="any",
                   description="Pref-GRPO: a VLM judges all pairs of a prompt group; reward = win rate")
 class VLMPairwise(_JudgeReward):
     """Pref-GRPO win rates from a pairwise VLM judge: every unordered pair of samples of a prompt group is shown to
-    the judge (A then B) and each sample's ``score`` is its win rate over its G - 1 comparisons. An unparsable answer
-    ("Better: A / B / tie" not found) counts as a tie, 0.5 for both; ``parse_fail`` is the fraction of a sample's
-    comparisons without a usable answer. A group of one sample scores NaN.
+    the judge (first then second) and each sample's ``score`` is its win rate over its G - 1 comparisons. An
+    unparsable answer (no verdict found, see :func:`parse_choice`) counts as a tie, 0.5 for both; ``parse_fail`` is
+    the fraction of a sample's comparisons without a usable answer. A group of one sample scores NaN.
 
-    Judges favour one position; ``both_orders`` asks each pair twice (A-B and B-A) and averages the two verdicts
-    (one failed answer leaves the other), at twice the cost.
+    Presets (the prompt, the samples' labels and the answer patterns):
+
+    - ``better``: samples ``A`` and ``B``; the judge answers ``Better: A``, ``Better: B`` or ``Better: tie``.
+    - ``unified_reward``: UnifiedReward's pairwise task (samples ``1`` and ``2``; caption alignment and quality);
+      the judge concludes ``Image 1 is better than Image 2.``, ``Image 2 is better than Image 1.`` or ``Both images
+      are equally good.`` (``Video`` / ``Response`` for other subjects).
+
+    Judges favour one position; ``both_orders`` asks each pair twice (first-second and second-first) and averages
+    the two verdicts (one failed answer leaves the other), at twice the cost.
 
     Args:
+        preset: ``better`` or ``unified_reward``.
         backend: ``transformers`` or ``openai``, or a :class:`JudgeBackend` instance (from Python).
         backend_args: constructor arguments of the backend.
-        template: the prompt, replacing the default; ``{prompt}`` and ``{subject}`` are filled in. The answer must
-            still be "Better: A", "Better: B" or "Better: tie".
+        template: the prompt, replacing the preset's; ``{prompt}``, ``{subject}`` (image, video or response) and
+            ``{Subject}`` (capitalised) are filled in. The answer must still match ``answer_patterns``.
+        answer_patterns: verdict -> case-insensitive regex, replacing the preset's: ``A`` (the first sample shown is
+            better), ``B`` (the second) and optionally ``tie``. The verdict matched last in the answer counts.
         both_orders: judge each pair in both orders.
         fps: frames per second the judge sees of videos.
         input_fps: frame rate of the batch's videos when ``meta["fps"]`` does not give it.
@@ -434,19 +524,28 @@ class VLMPairwise(_JudgeReward):
     kind = GROUPWISE
     modality = "any"
 
-    def __init__(self, backend: str | JudgeBackend = "transformers", backend_args: dict[str, Any] | None = None,
-                 template: str | None = None, both_orders: bool = False, fps: float = 2.0,
+    def __init__(self, preset: str = "better", backend: str | JudgeBackend = "transformers",
+                 backend_args: dict[str, Any] | None = None, template: str | None = None,
+                 answer_patterns: Mapping[str, str] | None = None, both_orders: bool = False, fps: float = 2.0,
                  input_fps: float | None = None, max_frames: int = 16):
+        if preset not in PAIRWISE_PRESETS:
+            raise ValueError(f"vlm_pairwise: preset must be one of {sorted(PAIRWISE_PRESETS)}; got '{preset}'")
+        chosen = PAIRWISE_PRESETS[preset]
+        self.patterns = check_patterns(chosen.patterns if answer_patterns is None else answer_patterns, self.name)
         super().__init__(backend, backend_args, fps, input_fps, max_frames)
-        self.template, self.both_orders = template or PAIRWISE_TEMPLATE, bool(both_orders)
+        self.template, self.labels = template or chosen.template, chosen.labels
+        self.both_orders = bool(both_orders)
 
     def _request(self, subject: str, prompt: str, first: Any, second: Any) -> JudgeContent:
-        text = fill(self.template, prompt=prompt, subject=subject)
+        text = fill(self.template, prompt=prompt, subject=subject, Subject=subject.capitalize())
+        one, two = (f"{subject.capitalize()} {label}:" for label in self.labels)
         if subject == "response":
-            return [f"Response A:\n{first}\n\nResponse B:\n{second}\n\n{text}"]
-        return [f"{subject.capitalize()} A:", first, f"{subject.capitalize()} B:", second, text]
+            return [f"{one}\n{first}\n\n{two}\n{second}\n\n{text}"]
+        return [one, first, two, second, text]
 
     def __call__(self, batch: RewardBatch) -> dict[str, torch.Tensor]:
+        if len(batch) == 0:
+            return empty_scores(("score", "parse_fail"))
         subject, items = self.subjects(batch)
         group = batch.group.cpu()
         pairs = []
@@ -456,7 +555,7 @@ class VLMPairwise(_JudgeReward):
         orders = pairs + [(j, i) for i, j in pairs] if self.both_orders else pairs
         answers = self.backend.generate([self._request(subject, batch.prompts[i], items[i], items[j])
                                          for i, j in orders])
-        verdicts = dict(zip(orders, (parse_choice(a) for a in answers)))
+        verdicts = dict(zip(orders, (parse_choice(a, self.patterns) for a in answers)))
 
         def compare(i: int, j: int) -> float | None:
             votes = [verdicts[(i, j)]]

@@ -32,7 +32,17 @@ import torch
 
 from mmgrpo.registry import REWARDS
 
-from .base import FunctionReward, Reward, RewardBatch, as_scores, is_trl_signature, main_score, trl_reward
+from .base import (
+    GROUPWISE,
+    POINTWISE,
+    FunctionReward,
+    Reward,
+    RewardBatch,
+    as_scores,
+    is_trl_signature,
+    main_score,
+    trl_reward,
+)
 from .clip_models import one_line
 
 ZOO_ARGS = ("device", "clip", "standardize")
@@ -73,10 +83,17 @@ def build_reward(name: str, args: dict[str, Any] | None = None, device: str | to
             raise TypeError(f"reward '{name}' took args but did not return a Reward")
     elif callable(obj):
         reward = trl_reward(obj) if is_trl_signature(obj) else FunctionReward(
-            obj, kind=entry.info.get("kind", "pointwise"), modality=entry.info.get("modality", "any"))
+            obj, kind=entry.info.get("kind", POINTWISE), modality=entry.info.get("modality", "any"))
     else:
         raise ValueError(f"reward '{name}' is not callable")
     return reward if device is None else reward.to(device)
+
+
+def evaluated(reward: Reward) -> bool:
+    """Whether held-out evaluation scores ``reward``: not when it is ``rollout_only`` (it reads what only a
+    rollout adds) nor groupwise (evaluation has one sample per prompt, so win rates and other group scores are
+    NaN)."""
+    return not getattr(reward, "rollout_only", False) and getattr(reward, "kind", POINTWISE) != GROUPWISE
 
 
 def postprocess(scores: torch.Tensor, clip: tuple[float, float] | None, standardize: bool) -> torch.Tensor:
@@ -151,8 +168,8 @@ class RewardZoo:
             self.slots.append(_Slot(spec.name, build_reward(spec.name, reward_args, device), device, clip,
                                     standardize))
         self.rewards = [slot.reward for slot in self.slots]
-        self.evaluation_names = [slot.name for slot in self.slots if not getattr(slot.reward, "rollout_only", False)]
-        """The rewards held-out evaluation scores: all but the ``rollout_only`` ones."""
+        self.evaluation_names = [slot.name for slot in self.slots if evaluated(slot.reward)]
+        """The rewards held-out evaluation scores: all but the ``rollout_only`` and the groupwise ones."""
         self.max_workers = max_workers or len(self.slots)
         self.nan_counts = dict.fromkeys(self.names, 0)
         self._warned: set[str] = set()

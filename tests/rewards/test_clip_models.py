@@ -134,9 +134,10 @@ def test_preprocess_close_to_open_clip_pil_transform(mode, shape, kind):
 
 
 @pytest.mark.parametrize("mode,shape", [("shortest", (224, 224)), ("shortest", (224, 260)), ("shortest", (301, 224)),
-                                        ("longest", (180, 224)), ("longest", (224, 131))])
+                                        ("shortest", (224, 227)), ("longest", (180, 224)), ("longest", (224, 131))])
 def test_preprocess_exact_when_no_resize_is_needed(mode, shape):
-    """Crop only, pad only, or nothing: the same pixels as open_clip's PIL transform (incl. its crop offsets)."""
+    """Crop only, pad only, or nothing: the same pixels as open_clip's PIL transform (incl. its crop offsets: a
+    margin of 3 starts the crop at round(1.5) = 2)."""
     arr = smooth_image(*shape)
     reference = open_clip.image_transform(224, is_train=False, resize_mode=mode)(Image.fromarray(arr))
     out = ClipPreprocess(224, resize_mode=mode)(to_tensor(arr))[0]
@@ -153,6 +154,25 @@ def test_preprocess_from_hf_processor_matches_processor(tiny_models):
         reference = processor(images=Image.fromarray(arr), return_tensors="pt").pixel_values[0]
         diff = (pre(to_tensor(arr))[0] - reference).abs()
         assert diff.mean() < tolerance, diff.mean()
+
+
+@pytest.mark.parametrize("shape", [(32, 35), (35, 32), (480, 650), (650, 480)])
+def test_preprocess_from_hf_processor_crops_like_transformers(tiny_models, shape):
+    """Odd crop margins (3 px without a resize; 480x650 -> 32x43, an 11 px margin) start transformers' crop at
+    margin // 2, one pixel before torchvision's round(margin / 2). Fed the same float pixels (no uint8 rounding),
+    the processor and the tensor transform agree to float precision."""
+    from transformers import CLIPProcessor
+
+    processor = CLIPProcessor.from_pretrained(tiny_models.pick_processor)
+    pre = ClipPreprocess.from_hf_image_processor(processor)
+    images = to_tensor(noise_image(*shape))
+    reference = processor(images=images[0], do_rescale=False, return_tensors="pt").pixel_values
+    torch.testing.assert_close(pre(images), reference, atol=1e-5, rtol=0)
+    rounded = ClipPreprocess(pre.size, pre.mean, pre.std, pre.resize_mode, pre.interpolation, crop_offset="round")
+    assert (rounded(images) - reference).abs().max() > 0.1  # the shape does exercise the one-pixel difference
+    if max(shape) < 40:  # no resize: the PIL/uint8 path is exact too
+        pil = processor(images=Image.fromarray(noise_image(*shape)), return_tensors="pt").pixel_values
+        torch.testing.assert_close(pre(images), pil, atol=1e-6, rtol=0)
 
 
 def test_preprocess_batch_dtype_and_shape_checks():

@@ -25,9 +25,9 @@ def test_rgb_passes_through_and_grayscale_repeats():
     x = torch.rand(2, 3, 5, 4, dtype=torch.float64)
     out = as_rgb_images(x)
     assert out.dtype == torch.float32 and torch.allclose(out, x.float())
-    gray = torch.rand(2, 1, 5, 4)
+    gray = torch.rand(2, 1, 5, 6)
     out = as_rgb_images(gray)
-    assert out.shape == (2, 3, 5, 4) and all(torch.equal(out[:, c], gray[:, 0]) for c in range(3))
+    assert out.shape == (2, 3, 5, 6) and all(torch.equal(out[:, c], gray[:, 0]) for c in range(3))
 
 
 def test_rgba_is_composited_over_white():
@@ -44,6 +44,35 @@ def test_rgba_is_composited_over_white():
 def test_bad_image_shapes_name_the_shape(shape):
     with pytest.raises(ValueError, match=rf"got shape \({', '.join(map(str, shape))}\)"):
         as_rgb_images(torch.zeros(shape))
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 4, 3), (2, 1, 8, 3), (1, 4, 6, 4), (2, 1, 3, 1)])
+def test_ambiguous_channels_last_images_are_refused(shape):
+    """(2, 4, 4, 3) is 4x4 RGB stored channels-last, not 4x3 RGBA: shapes that read both ways with 1 or 4 channels
+    are refused, and the message gives the expected layout and the fix."""
+    with pytest.raises(ValueError, match=rf"^reward 'sharpness': images of shape \({', '.join(map(str, shape))}\) "
+                                         r"are ambiguous: expected \(B, 3, H, W\) .*\.permute\(0, 3, 1, 2\)$"):
+        score("sharpness", torch.rand(shape))
+
+
+def test_channels_last_hint_and_small_rgb_images():
+    with pytest.raises(ValueError, match=r"got shape \(2, 8, 8, 3\); it looks channels-last \(B, H, W, C\)"):
+        as_rgb_images(torch.rand(2, 8, 8, 3))
+    with pytest.raises(ValueError, match=r"videos of shape \(1, 2, 4, 5, 3\) are ambiguous: expected "
+                                         r"\(B, T, 3, H, W\) .*\.permute\(0, 1, 4, 2, 3\)"):
+        as_rgb_videos(torch.rand(1, 2, 4, 5, 3))
+    small = torch.rand(2, 3, 4, 4)  # reads both ways, and is the documented RGB layout: accepted as such
+    assert torch.equal(as_rgb_images(small), small)
+    assert as_rgb_images(torch.rand(1, 4, 3, 2)).shape == (1, 3, 3, 2)  # RGBA 2 px wide is not ambiguous
+
+
+@pytest.mark.parametrize("name", ["sharpness", "jpeg_compressibility", "color_fraction"])
+def test_empty_image_batches_are_one_clear_line(name):
+    args = {"rgb": [255, 0, 0]} if name == "color_fraction" else {}
+    with pytest.raises(ValueError, match=rf"^reward '{name}': images are empty: got shape \(0, 3, 8, 8\)"):
+        score(name, torch.zeros(0, 3, 8, 8), **args)
+    with pytest.raises(ValueError, match=r"^videos are empty: got shape \(1, 0, 3, 8, 8\)"):
+        as_rgb_videos(torch.zeros(1, 0, 3, 8, 8))
 
 
 def test_range_errors_say_what_was_passed():
@@ -67,9 +96,9 @@ def test_tiny_overshoot_is_clamped():
 
 
 def test_videos():
-    gray = torch.rand(2, 5, 1, 4, 4)
+    gray = torch.rand(2, 5, 1, 4, 6)
     out = as_rgb_videos(gray)
-    assert out.shape == (2, 5, 3, 4, 4) and torch.equal(out[:, :, 2], gray[:, :, 0])
+    assert out.shape == (2, 5, 3, 4, 6) and torch.equal(out[:, :, 2], gray[:, :, 0])
     with pytest.raises(ValueError, match=r"videos must be \(B, T, 3, H, W\).*got shape \(2, 3, 4, 4\)"):
         as_rgb_videos(torch.zeros(2, 3, 4, 4))
     with pytest.raises(ValueError, match="videos must be in"):

@@ -1,11 +1,14 @@
 """The reward interface: every way of writing a reward, as a user would, through build_reward and RewardZoo."""
 
 import math
+import re
 import textwrap
+from importlib import metadata
 
 import pytest
 import torch
 
+from mmgrpo.cli import main as cli_main
 from mmgrpo.config import RewardSpec
 from mmgrpo.registry import REWARDS
 from mmgrpo.rewards import FunctionReward, RewardBatch, RewardZoo, build_reward
@@ -139,3 +142,62 @@ def test_registry_lists_the_rule_rewards_with_kind_and_modality():
 def test_unknown_reward_name_suggests_a_close_one():
     with pytest.raises(KeyError, match="did you mean 'accuracy'"):
         build_reward("acuracy")
+
+
+PLUGIN_MODULE = '''
+from mmgrpo.rewards import Reward
+
+
+def brightest(batch):
+    """Groupwise plain function: 1 for the brightest image of its group, else 0."""
+    means = batch.images.mean(dim=(1, 2, 3))
+    return [float(all(means[i] >= means[j] for j in range(len(batch)) if batch.group[j] == batch.group[i]))
+            for i in range(len(batch))]
+
+
+brightest.mmgrpo_info = {"kind": "groupwise", "modality": "image", "description": "1 for the brightest in its group"}
+
+
+class Darkness(Reward):
+    """A Reward subclass: its kind and modality are class attributes."""
+
+    modality = "image"
+
+    def __call__(self, batch):
+        return 1 - batch.images.mean(dim=(1, 2, 3))
+'''
+
+
+@pytest.fixture
+def plugin_package(tmp_path, monkeypatch):
+    """Two rewards installed as ``mmgrpo.rewards`` entry points (real ``EntryPoint`` objects on a module of this
+    test), with the reward registry re-read so that it picks them up; restored afterwards."""
+    (tmp_path / "plugin_rewards_mod.py").write_text(textwrap.dedent(PLUGIN_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    installed = [metadata.EntryPoint("plugin_brightest", "plugin_rewards_mod:brightest", "mmgrpo.rewards"),
+                 metadata.EntryPoint("plugin_darkness", "plugin_rewards_mod:Darkness", "mmgrpo.rewards")]
+    original = metadata.entry_points
+
+    def entry_points(**selection):
+        return installed if selection.get("group") == "mmgrpo.rewards" else original(**selection)
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+    monkeypatch.setattr(REWARDS, "_entries", dict(REWARDS._entries))
+    monkeypatch.setattr(REWARDS, "_loaded", False)
+
+
+def test_entry_point_rewards_keep_kind_and_modality(plugin_package, capsys):
+    assert cli_main(["rewards"]) == 0
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:5]]
+            for line in capsys.readouterr().out.splitlines() if re.match(r"│ plugin_", line)}
+    assert rows == {"plugin_brightest": ["groupwise", "image", "1 for the brightest in its group"],
+                    "plugin_darkness": ["pointwise", "image", ""]}
+    assert REWARDS.entry("plugin_darkness").info["source"] == "entry point plugin_rewards_mod:Darkness"
+    brightest = build_reward("plugin_brightest")
+    assert isinstance(brightest, FunctionReward) and (brightest.kind, brightest.modality) == ("groupwise", "image")
+    zoo = RewardZoo([RewardSpec(name="plugin_brightest"), RewardSpec(name="plugin_darkness")])
+    assert zoo.evaluation_names == ["plugin_darkness"]
+    images = torch.stack([torch.full((3, 4, 4), v) for v in (0.2, 0.6, 0.4, 0.1)])
+    main, _, _ = zoo(RewardBatch(prompts=["p"] * 4, group=torch.tensor([0, 0, 1, 1]), images=images))
+    assert main[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0]
+    torch.testing.assert_close(main[:, 1], torch.tensor([0.8, 0.4, 0.6, 0.9], dtype=torch.float64))

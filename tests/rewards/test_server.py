@@ -22,7 +22,7 @@ from mmgrpo.config import ConfigError, RewardSpec
 from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards import bench as reward_bench
 from mmgrpo.rewards import server as server_mod
-from mmgrpo.rewards.remote import RemoteError, RemoteReward, group_chunks, request_json
+from mmgrpo.rewards.remote import RemoteError, RemoteReward, WireVersionError, group_chunks, request_json
 from mmgrpo.rewards.server import (
     BINARY_TYPE,
     JSON_TYPE,
@@ -38,9 +38,12 @@ from mmgrpo.rewards.server import (
 ROOT = Path(__file__).resolve().parents[2]
 
 SERVER_MODULE = '''
+import time
+
 import torch
 
 LOG = []  # (client, step, batch size) in the order the server scored the batches
+SLOW_S = 0.0
 
 
 def numbered(batch):
@@ -60,6 +63,13 @@ def meta_sum(batch):
 
 def broken(batch):
     raise ValueError("judge exploded")
+
+
+def slow(batch):
+    """Scores the prompt lengths after SLOW_S seconds; logs each batch it scores."""
+    LOG.append(("slow", 0, len(batch)))
+    time.sleep(SLOW_S)
+    return [float(len(p)) for p in batch.prompts]
 '''
 
 
@@ -98,10 +108,10 @@ def test_wire_round_trip(binary):
     batch.videos = torch.rand(4, 3, 3, 8, 8)
     batch.completions = ["a", "é", "", "d"]
     batch.meta = [{"weights": torch.arange(3), "f": torch.ones(2, dtype=torch.float32), "x": [1, {"y": None}]}] * 4
-    content_type, body = encode_request(batch, ["sharpness"], "float16", binary=binary)
+    content_type, body = encode_request(batch, ["sharpness"], "float16", binary=binary, request_id="r-1")
     assert content_type == (BINARY_TYPE if binary else JSON_TYPE)
-    got, names = decode_request(content_type, body)
-    assert names == ["sharpness"] and got.prompts == batch.prompts and got.completions == batch.completions
+    got, names, request_id = decode_request(content_type, body)
+    assert names == ["sharpness"] and request_id == "r-1" and got.prompts == batch.prompts and got.completions == batch.completions
     assert torch.equal(got.group, batch.group) and torch.equal(got.images, batch.images)
     assert (got.videos - batch.videos).abs().max() < 5e-4 and got.videos.dtype == torch.float32
     assert got.meta[0]["weights"].dtype == torch.int64 and torch.equal(got.meta[0]["weights"], torch.arange(3))
@@ -111,8 +121,8 @@ def test_wire_round_trip(binary):
 def test_wire_uint8_pixels_and_malformed_requests():
     batch = image_batch(2)
     content_type, body = encode_request(batch, None, "uint8")
-    got, names = decode_request(content_type, body)
-    assert names is None and (got.images - batch.images).abs().max() <= 0.5 / 255 + 1e-6
+    got, names, request_id = decode_request(content_type, body)
+    assert names is None and request_id is None and (got.images - batch.images).abs().max() <= 0.5 / 255 + 1e-6
     head, _, blob = body.partition(b"\n")
     with pytest.raises(ValueError, match="bad array in images: .*outside"):
         decode_request(content_type, head + b"\n" + blob[:10])
@@ -120,6 +130,9 @@ def test_wire_uint8_pixels_and_malformed_requests():
         decode_request("text/plain", body)
     with pytest.raises(ValueError, match="unknown request fields"):
         decode_request(JSON_TYPE, json.dumps({"prompts": [], "group": [], "oops": 1}).encode())
+    for bad in (5, "", "x" * 129):
+        with pytest.raises(ValueError, match="'request_id' must be a string of 1 to 128 characters"):
+            decode_request(JSON_TYPE, json.dumps({"prompts": [], "group": [], "request_id": bad}).encode())
     with pytest.raises(ValueError, match="only JSON values and tensors"):
         encode_request(RewardBatch(prompts=["a"], group=torch.zeros(1, dtype=torch.long), meta=[{"o": object()}]))
 
@@ -148,7 +161,7 @@ def test_remote_scores_equal_in_process_scores(mod):
         batch.meta = [{"weights": torch.full((2,), 0.5), "tags": ["a"] * i} for i in range(6)]
         assert RemoteReward(server.url, reward="server_test_rewards:meta_sum")(batch).tolist() == [1, 2, 3, 4, 5, 6]
         health = request_json(server.url + "/health")
-        assert health["status"] == "ok" and health["wire_version"] == 1
+        assert health["status"] == "ok" and health["wire_version"] == 2
         assert {r["name"]: (r["kind"], r["modality"]) for r in health["rewards"]}["sharpness"] == ("pointwise", "image")
 
 
@@ -208,11 +221,62 @@ def test_unreachable_server_fails_in_one_line_or_scores_nan():
     with pytest.raises(RemoteError) as info:
         RemoteReward(url, retries=2, backoff=0.01)(batch)
     message = str(info.value)
-    assert "\n" not in message and f"POST {url}/v1/score failed after 3 attempts" in message
+    assert "\n" not in message and f"GET {url}/health failed after 3 attempts" in message  # the version check
     remote = RemoteReward(url, retries=1, backoff=0.01, on_failure="nan", max_batch=2)
-    with pytest.warns(RuntimeWarning, match=f"3 request\\(s\\) failed, their samples score NaN: POST {url}"):
+    with pytest.warns(RuntimeWarning, match=f"3 request\\(s\\) failed, their samples score NaN: GET {url}/health"):
         scores = remote(batch)
     assert scores.isnan().all() and remote.failed_requests == 3
+
+
+def test_a_retry_after_a_read_timeout_is_not_scored_twice(mod):
+    """The client times out while the server is still scoring and resends the batch: the server recognises the
+    request id, waits for the first scoring and answers with it. The reward runs once."""
+    mod.SLOW_S = 1.0
+    batch = RewardBatch(prompts=["a", "bb", "ccc"], group=torch.zeros(3, dtype=torch.long))
+    with RewardServer([user("slow")], port=0).start() as server:
+        remote = RemoteReward(server.url, timeout=0.3, retries=6, backoff=0.1)
+        start = time.perf_counter()
+        assert remote(batch).tolist() == [1.0, 2.0, 3.0]
+        assert time.perf_counter() - start >= 1.0  # longer than one 0.3 s attempt: the client did retry
+        assert mod.LOG == [("slow", 0, 3)]
+
+
+def test_the_server_answers_a_repeated_request_id_from_memory(mod, monkeypatch):
+    monkeypatch.setattr(server_mod, "RECENT_REQUESTS", 2)
+    batch = RewardBatch(prompts=["a", "bb"], group=torch.zeros(2, dtype=torch.long))
+
+    def post(request_id):
+        content_type, body = encode_request(batch, binary=False, request_id=request_id)
+        return request_json(server.url + "/v1/score", body=body, content_type=content_type)
+
+    with RewardServer([user("slow")], port=0).start() as server:
+        first = post("id-1")
+        assert post("id-1") == first and len(mod.LOG) == 1  # the same request again: not scored
+        post(None)  # no id: scored each time
+        post(None)
+        assert len(mod.LOG) == 3
+        post("id-2")  # the server remembers the last 2 ids: id-1 is forgotten
+        post("id-3")
+        post("id-3")
+        assert len(mod.LOG) == 5
+        post("id-1")
+        assert len(mod.LOG) == 6
+
+
+def test_the_client_checks_the_wire_version_once(mod, monkeypatch):
+    batch = RewardBatch(prompts=["a"], group=torch.zeros(1, dtype=torch.long))
+    with RewardServer([user("slow")], port=0).start() as server:
+        monkeypatch.setattr(server_mod, "WIRE_VERSION", 1)  # an older server
+        for policy in ("error", "nan"):  # a version mismatch is never a NaN score
+            with pytest.raises(WireVersionError, match=f"^remote: the server at {server.url} speaks reward wire "
+                                                       "version 1 and this client 2: run the same mmgrpo version"):
+                RemoteReward(server.url, on_failure=policy)(batch)
+        assert mod.LOG == []  # refused before sending a batch
+        monkeypatch.setattr(server_mod, "WIRE_VERSION", 2)
+        remote = RemoteReward(server.url)
+        assert remote(batch).tolist() == [1.0] and remote.version_checked
+        monkeypatch.setattr(server_mod, "WIRE_VERSION", 1)
+        assert remote(batch).tolist() == [1.0]  # checked once, at the start: not again
 
 
 def test_a_failing_server_reward_is_reported_and_the_server_keeps_serving(mod):

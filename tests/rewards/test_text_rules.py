@@ -1,6 +1,7 @@
 """Text rule rewards against hand-computed references."""
 
 import math
+import re
 import threading
 import time
 
@@ -281,9 +282,14 @@ def test_temporal_iou_ground_truth_forms_and_missing_answer():
     assert score("temporal_iou", completions, meta) == [1.0, 1.0, 0.0]
     with pytest.raises(ValueError, match="sample 0 ground truth 'soon' is not an interval"):
         score("temporal_iou", ["<answer>[1, 2]</answer>"], [{"solution": "soon"}])
+    ok = {"solution": [1, 2]}
+    for bad in (["a", "b"], [None, 2], [[1], 2]):  # a list that is not two numbers: named, not a float() error
+        with pytest.raises(ValueError, match=rf"^temporal_iou: sample 1 ground truth {re.escape(repr(bad))} is not"):
+            score("temporal_iou", ["<answer>[1, 2]</answer>"] * 2, [ok, {"solution": bad}])
 
 
 def test_parse_interval_points():
     assert parse_interval("[3, 3]") == (3.0, 3.0)
     assert parse_interval((1, 2.5)) == (1.0, 2.5)
     assert parse_interval("5") is None
+    assert parse_interval(["a", "b"]) is None and parse_interval([None, 1]) is None

@@ -17,6 +17,7 @@ from mmgrpo.config import RewardSpec
 from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards.remote import RemoteError
 from mmgrpo.rewards.vlm_judge import (
+    UNIFIED_REWARD_PATTERNS,
     JudgeBackend,
     OpenAIJudge,
     TransformersJudge,
@@ -69,6 +70,26 @@ def test_parse_choice():
     assert parse_choice("b.") == 0.0
     assert parse_choice("Both are good") is None
     assert parse_choice("Better: C") is None
+    assert parse_choice("Better: A\n...on reflection, Better: B") == 0.0  # the conclusion comes last
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    ("Image 1 is better than Image 2.", 1.0),
+    ("Image 2 is better than Image 1.", 0.0),
+    ("Both images are equally good.", 0.5),
+    (("Image 1 shows the red cube clearly, but its lighting is flat. Image 2 follows the caption and has richer "
+      "detail. Therefore, Image 2 is better than Image 1."), 0.0),
+    ("<think>Image 2 is better lit, yet Image 1 matches the caption.</think>\n<answer>Image 1 is better</answer>", 1.0),
+    ("**Image 2** is the better image.", 0.0),
+    ("Video 1 is better than Video 2.", 1.0),
+    ("Overall, image 2 is worse than image 1.", 1.0),
+    ("Both images are equally bad.", 0.5),
+    ("I cannot compare these images.", None),
+    ("Image 1: a cube. Image 2: a ball.", None),
+    ("Better: A", None),  # the other preset's format does not count here
+])
+def test_parse_choice_unified_reward_answers(answer, expected):
+    assert parse_choice(answer, UNIFIED_REWARD_PATTERNS) == expected
 
 
 def test_parse_artifacts():
@@ -190,6 +211,50 @@ def test_pairwise_win_rates_within_groups():
 def test_pairwise_unparsable_answers_are_ties():
     out = VLMPairwise(backend=StubJudge(lambda r: "hmm"))(images_batch(3))
     assert out["score"].tolist() == [0.5] * 3 and out["parse_fail"].tolist() == [1.0] * 3
+
+
+def test_pairwise_unified_reward_preset_counts_unparsable_answers():
+    """UnifiedReward-style answers through the preset: labels 1 / 2, its prompt, its conclusions; answers that give
+    no verdict count in parse_fail and score as ties."""
+    def judge(request):
+        a, b = (p for p in request if torch.is_tensor(p))
+        if a.mean() == b.mean():
+            return "Both images look similar, I can't say."
+        return ("Image 1 is sharper. Image 1 is better than Image 2." if a.mean() > b.mean()
+                else "After comparing alignment and quality, Image 2 is better than Image 1.")
+
+    stub = StubJudge(judge)
+    images = torch.stack([torch.full((3, 8, 8), v) for v in (0.2, 0.8, 0.8, 0.5)])
+    batch = RewardBatch(prompts=["a red cube"] * 4, group=torch.zeros(4, dtype=torch.long), images=images)
+    out = VLMPairwise(preset="unified_reward", backend=stub)(batch)
+    # 0.2 loses all; each 0.8 beats 0.2 and 0.5 and ties (unparsed) with the other 0.8; 0.5 beats 0.2 only
+    assert out["score"].tolist() == pytest.approx([0.0, 2.5 / 3, 2.5 / 3, 1 / 3])
+    assert out["parse_fail"].tolist() == pytest.approx([0.0, 1 / 3, 1 / 3, 0.0])
+    first = stub.requests[0]
+    assert [p for p in first if isinstance(p, str)][:2] == ["Image 1:", "Image 2:"]
+    assert "Text Caption: [a red cube]" in first[-1] and '"Image 1 is better than Image 2."' in first[-1]
+    custom = VLMPairwise(backend=StubJudge(lambda r: "Winner: second"),
+                         answer_patterns={"A": r"winner:\s*first", "B": r"winner:\s*second"})
+    assert custom(images_batch(2))["score"].tolist() == [0.0, 1.0]
+    with pytest.raises(ValueError, match="answer_patterns needs the verdicts 'A' and 'B'"):
+        VLMPairwise(backend=stub, answer_patterns={"A": "x", "second": "y"})
+    with pytest.raises(ValueError, match=r"answer_patterns\['B'\] is not a regex"):
+        VLMPairwise(backend=stub, answer_patterns={"A": "x", "B": "(unclosed"})
+    with pytest.raises(ValueError, match="preset must be one of"):
+        VLMPairwise(backend=stub, preset="unifiedreward")
+
+
+def test_empty_batches_score_empty():
+    stub = StubJudge(lambda r: "Score: 3")
+    empty = RewardBatch(prompts=[], group=torch.zeros(0, dtype=torch.long), images=torch.zeros(0, 3, 8, 8))
+    for judge, keys in [(VLMJudge(backend=stub), {"score", "parse_fail"}),
+                        (VLMJudge(preset="artifacts", backend=stub), {"score", "artifacts", "parse_fail"}),
+                        (VLMPairwise(backend=stub), {"score", "parse_fail"})]:
+        out = judge(empty)
+        assert set(out) == keys and all(v.shape == (0,) and v.dtype == torch.float64 for v in out.values())
+    assert stub.requests == []
+    main, logged, _ = RewardZoo([RewardSpec(name="mmgrpo.rewards.vlm_judge:VLMJudge", args={"backend": stub})])(empty)
+    assert main.shape == (0, 1) and logged["mmgrpo.rewards.vlm_judge:VLMJudge/score"].shape == (0,)
 
 
 def test_pairwise_both_orders_cancels_position_bias():

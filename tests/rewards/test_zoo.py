@@ -92,6 +92,18 @@ def broken(batch):
 
 def grad_mode(batch):
     return [float(torch.is_grad_enabled())] * len(batch)
+
+
+def group_rank(batch):
+    """A groupwise plain function: each sample's rank by prompt length within its group; NaN alone."""
+    out = []
+    for i, g in enumerate(batch.group.tolist()):
+        peers = [len(p) for p, h in zip(batch.prompts, batch.group.tolist()) if h == g]
+        out.append(float("nan") if len(peers) == 1 else float(sorted(peers).index(len(batch.prompts[i]))))
+    return out
+
+
+group_rank.mmgrpo_info = {"kind": "groupwise", "modality": "text"}
 '''
 
 
@@ -219,3 +231,24 @@ def test_only_scores_a_subset(mod):
     assert list(seconds) == ["zoo_test_rewards:fixed"] and "zoo_test_rewards:Counting" not in logged
     with pytest.raises(ValueError, match="no reward named"):
         zoo(batch4(), only=["nope"])
+
+
+def test_evaluation_leaves_groupwise_rewards_out(mod):
+    """Held-out evaluation has one sample per prompt: groupwise rewards would be NaN there (and warn), so
+    ``evaluation_names`` leaves them out; training batches still score them."""
+    specs = [spec("Counting"), RewardSpec(name="win_rate", args={"base": "zoo_test_rewards:Counting"}),
+             spec("group_rank")]
+    zoo = RewardZoo(specs)
+    assert [r.kind for r in zoo.rewards] == ["pointwise", "groupwise", "groupwise"]
+    assert zoo.evaluation_names == ["zoo_test_rewards:Counting"]
+    held_out = RewardBatch(prompts=["a", "bb", "ccc"], group=torch.arange(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        main, logged, _ = zoo(held_out, only=zoo.evaluation_names)
+    assert main[:, 0].tolist() == [1.0, 2.0, 3.0] and set(logged) == {"zoo_test_rewards:Counting"}
+    with pytest.warns(RuntimeWarning) as warned:  # what evaluation used to do: all NaN, and a warning each
+        main, _, _ = zoo(held_out)
+    assert sorted(str(w.message).split("'")[1] for w in warned) == ["win_rate", "zoo_test_rewards:group_rank"]
+    assert main[:, 1:].isnan().all()
+    main, _, _ = zoo(batch4())  # groups of two: the groupwise rewards apply
+    assert main[:, 1].tolist() == [0.0, 1.0, 0.0, 1.0] and main[:, 2].tolist() == [0.0, 1.0, 0.0, 1.0]
