@@ -11,7 +11,7 @@ GRPO needs, in the pipeline's own conventions:
 - :meth:`FlowAdapter.reference_velocity`: the same under the frozen reference policy (KL).
 - :meth:`FlowAdapter.decode`: pixels in [0, 1].
 - :meth:`FlowAdapter.save_trainable` / :meth:`FlowAdapter.load_trainable`: LoRA in the diffusers format that
-  ``pipe.load_lora_weights`` reads, or a full ``transformer/`` folder.
+  ``pipe.load_lora_weights`` reads, or a full ``transformer/`` folder (and ``transformer_2/`` for Wan2.2 A14B).
 
 Conventions: ``sigma`` is the rectified-flow noise level in [0, 1] (``x = (1 - sigma) * x0 + sigma * noise``), the
 velocity is ``noise - x0``. The conversion from sigma to each transformer's ``timestep`` argument happens in one
@@ -198,9 +198,12 @@ class FlowAdapter:
 
     - ``kind``: the registry name (sd3, flux, wan); ``modality``: "image" or "video".
     - ``pipe``: the loaded diffusers pipeline; text encoders and VAE are frozen and in eval mode.
-    - ``transformer``: the trainable module, the pipeline's own transformer. With ``cfg.lora_rank > 0`` it carries
-      PEFT LoRA layers (injected with diffusers' ``add_adapter``, adapter name "default"; only the LoRA weights
-      train, kept in fp32); with ``lora_rank == 0`` every parameter trains, in fp32.
+    - ``parts``: the pipeline's denoising transformers by component name (``transformer``; Wan2.2 A14B adds
+      ``transformer_2``); ``trained_parts``: the names of those that train.
+    - ``transformer``: the trainable module velocity calls: the pipeline's own transformer, or one module holding
+      all parts (Wan2.2 A14B's :class:`WanExperts`). Each trained part carries PEFT LoRA layers with
+      ``cfg.lora_rank > 0`` (injected with diffusers' ``add_adapter``, adapter name "default"; only the LoRA
+      weights train, kept in fp32); with ``lora_rank == 0`` its every parameter trains, in fp32.
     - ``dtype``: the dtype of the transformer forward ("model dtype"): ``cfg.dtype`` with LoRA, float32 for a
       full fine-tune (accelerate's mixed precision may autocast it).
     - ``attention_backend``: the attention backend actually in use.
@@ -209,7 +212,7 @@ class FlowAdapter:
     Args:
         cfg: the ``model`` config section.
         device: torch device for all parts.
-        keep_reference: full fine-tune only: keep a frozen copy of the initial transformer for
+        keep_reference: full fine-tune only: keep a frozen copy of the initial trained parts for
             :meth:`reference_velocity` (LoRA needs none; the base weights are the reference).
         prompt_cache_size: distinct prompt strings whose embeddings are kept (least recently used are dropped).
             Each prompt is encoded on its own (batch of one), so a dropped entry re-encodes to bitwise the same
@@ -245,20 +248,20 @@ class FlowAdapter:
         tokenizer = getattr(self.pipe, self.t5_tokenizer, None)
         limit = getattr(tokenizer, "model_max_length", None) or self.default_max_sequence_length
         self.max_sequence_length = min(self.default_max_sequence_length, limit)
-        transformer = self.pipe.transformer
-        if self.is_lora:
-            self._add_lora(transformer, cfg)
-        else:
-            if transformer.dtype != torch.float32:  # trained weights are fp32 (diffusers warns on a no-op cast)
-                transformer.to(torch.float32)
-            transformer.requires_grad_(True)
-        self.attention_backend = self._set_attention_backend(transformer, cfg.attention_backend)
+        self.parts = self._transformer_parts()
+        self.trained_parts = self._trained_names(self.parts)
+        for name in self.trained_parts:
+            self._make_trainable(self.parts[name], cfg)
+        backends = {name: self._set_attention_backend(m, cfg.attention_backend) for name, m in self.parts.items()}
+        self.attention_backend = backends["transformer"]  # the parts are one model class: the same backend
         self._reference: nn.Module | None = None
         if keep_reference and not self.is_lora:
-            self._reference = copy.deepcopy(transformer).requires_grad_(False).eval()
+            self._reference = self._assemble({n: copy.deepcopy(m).requires_grad_(False).eval()
+                                              if n in self.trained_parts else m for n, m in self.parts.items()})
         if cfg.gradient_checkpointing:
-            transformer.enable_gradient_checkpointing()
-        self.transformer: nn.Module = transformer
+            for name in self.trained_parts:
+                self.parts[name].enable_gradient_checkpointing()
+        self.transformer: nn.Module = self._assemble(self.parts)
         self._cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
         self._cache_size = prompt_cache_size
         self._latent_grids: dict[int, tuple[int, int]] = {}
@@ -283,6 +286,27 @@ class FlowAdapter:
             raise ConfigError(f"bad value for 'model.path': cannot load {where} '{cfg.path}': "
                               f"{_one_line(err, 160)}") from err
         return pipe.to(self.device)
+
+    def _transformer_parts(self) -> dict[str, nn.Module]:
+        """The pipeline's denoising transformers by component name: here the one ``transformer``."""
+        return {"transformer": self.pipe.transformer}
+
+    def _trained_names(self, parts: dict[str, nn.Module]) -> tuple[str, ...]:
+        """Names of the ``parts`` that train (LoRA or full): here all of them."""
+        return tuple(parts)
+
+    def _assemble(self, parts: dict[str, nn.Module]) -> nn.Module:
+        """The one module velocity calls, built from ``parts``: here the single transformer itself."""
+        return parts["transformer"]
+
+    def _make_trainable(self, transformer: nn.Module, cfg: FlowModelConfig) -> None:
+        """LoRA layers (fp32) on ``transformer``, or every parameter trainable in fp32 (full fine-tune)."""
+        if self.is_lora:
+            self._add_lora(transformer, cfg)
+            return
+        if transformer.dtype != torch.float32:  # trained weights are fp32 (diffusers warns on a no-op cast)
+            transformer.to(torch.float32)
+        transformer.requires_grad_(True)
 
     @staticmethod
     def _add_lora(transformer: nn.Module, cfg: FlowModelConfig) -> None:
@@ -488,11 +512,14 @@ class FlowAdapter:
     def _base_weights(self) -> Iterator[None]:
         """LoRA layers bypassed (the base model) inside the block; trainability flags restored afterwards."""
         flags = [(p, p.requires_grad) for p in self.transformer.parameters()]
-        self.transformer.disable_adapters()
+        lora = [self.parts[name] for name in self.trained_parts]
+        for part in lora:
+            part.disable_adapters()
         try:
             yield
         finally:
-            self.transformer.enable_adapters()
+            for part in lora:
+                part.enable_adapters()
             for p, flag in flags:
                 p.requires_grad_(flag)
 
@@ -535,53 +562,78 @@ class FlowAdapter:
 
     def save_trainable(self, directory: Path, transformer: nn.Module | None = None,
                        state_dict: dict[str, Tensor] | None = None) -> None:
-        """Write the trained weights (safetensors) for stock diffusers.
+        """Write the trained weights (safetensors) for stock diffusers, one file or folder per trained part.
 
-        LoRA: ``directory/pytorch_lora_weights.safetensors`` via the pipeline class's ``save_lora_weights``, with the
-        LoRA config (rank, alpha) as metadata, so ``pipe.load_lora_weights(directory)`` reproduces the adapter.
-        Full fine-tune: a ``directory/transformer`` folder that ``from_pretrained`` loads. ``transformer`` is the
-        unwrapped module to save (default: :attr:`transformer`); ``state_dict`` is its gathered full state dict
-        when the trained module is sharded (FSDP / ZeRO-3), whose own tensors are then only shards."""
+        LoRA: ``directory/pytorch_lora_weights.safetensors`` (``transformer``; other parts:
+        :func:`lora_weight_name`) via the pipeline class's ``save_lora_weights``, with the LoRA config (rank,
+        alpha) as metadata, so ``pipe.load_lora_weights(directory)`` reproduces the adapter. Full fine-tune: a
+        ``directory/<part>`` folder (``directory/transformer``) that ``from_pretrained`` loads. ``transformer`` is
+        the unwrapped module to save (default: :attr:`transformer`); ``state_dict`` is its gathered full state
+        dict when the trained module is sharded (FSDP / ZeRO-3), whose own tensors are then only shards."""
         model = self.transformer if transformer is None else transformer
-        directory = Path(directory)
-        if self.is_lora:
-            from peft.utils import get_peft_model_state_dict
+        for name, part, part_state in self._split_trained(model, state_dict):
+            if self.is_lora:
+                self._save_lora(Path(directory), name, part, part_state)
+            else:
+                _save_full(Path(directory) / name, part, part_state)
 
-            lora = get_peft_model_state_dict(model, state_dict=state_dict)
-            type(self.pipe).save_lora_weights(
-                directory, transformer_lora_layers={k: v.detach().contiguous() for k, v in lora.items()},
-                safe_serialization=True, transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
-            )
-        elif state_dict is None:
-            model.save_pretrained(directory / "transformer", safe_serialization=True)
-        else:  # what save_pretrained writes (config + one safetensors shard), from the gathered weights
-            from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
-            from safetensors.torch import save_file
+    def _split_trained(self, model: nn.Module, state_dict: dict[str, Tensor] | None
+                       ) -> list[tuple[str, nn.Module, dict[str, Tensor] | None]]:
+        """(part name, module, its state dict or None) of every trained part of ``model`` (:meth:`_assemble`'s
+        result): here the single transformer."""
+        return [("transformer", model, state_dict)]
 
-            (directory / "transformer").mkdir(parents=True, exist_ok=True)
-            model.save_config(directory / "transformer")
-            save_file({k: v.detach().contiguous() for k, v in state_dict.items()},
-                      directory / "transformer" / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+    def _save_lora(self, directory: Path, name: str, part: nn.Module, state_dict: dict[str, Tensor] | None) -> None:
+        from peft.utils import get_peft_model_state_dict
+
+        lora = get_peft_model_state_dict(part, state_dict=state_dict)
+        type(self.pipe).save_lora_weights(
+            directory, transformer_lora_layers={k: v.detach().contiguous() for k, v in lora.items()},
+            weight_name=lora_weight_name(name), safe_serialization=True,
+            transformer_lora_adapter_metadata=part.peft_config["default"].to_dict(),
+        )
 
     def load_trainable(self, directory: Path) -> None:
         """Load weights written by :meth:`save_trainable` into :attr:`transformer`, in place."""
-        directory = Path(directory)
-        if self.is_lora:
-            from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-            from safetensors.torch import load_file
+        for name, part, _ in self._split_trained(self.transformer, None):
+            if self.is_lora:
+                self._load_lora(Path(directory) / lora_weight_name(name), part)
+            else:
+                saved = type(part).from_pretrained(Path(directory) / name, dtype=torch.float32)
+                part.load_state_dict(saved.state_dict())
 
-            prefix = f"{type(self.pipe).transformer_name}."
-            saved = load_file(directory / LORA_WEIGHT_NAME)
-            state = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
-            expected = set(get_peft_model_state_dict(self.transformer))
-            if set(state) != expected:
-                missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
-                raise ValueError(f"LoRA weights in {directory} do not match this adapter (rank/targets?): "
-                                 f"missing {missing[:3]}, unexpected {extra[:3]}")
-            set_peft_model_state_dict(self.transformer, state)
-        else:
-            saved = type(self.transformer).from_pretrained(directory / "transformer", dtype=torch.float32)
-            self.transformer.load_state_dict(saved.state_dict())
+    def _load_lora(self, file: Path, part: nn.Module) -> None:
+        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        prefix = f"{type(self.pipe).transformer_name}."
+        state = {k.removeprefix(prefix): v for k, v in load_file(file).items() if k.startswith(prefix)}
+        expected = set(get_peft_model_state_dict(part))
+        if set(state) != expected:
+            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ValueError(f"LoRA weights in {file} do not match this adapter (rank/targets?): "
+                             f"missing {missing[:3]}, unexpected {extra[:3]}")
+        set_peft_model_state_dict(part, state)
+
+
+def lora_weight_name(part: str) -> str:
+    """LoRA file of a trained part: diffusers' default name for ``transformer`` (what ``pipe.load_lora_weights(dir)``
+    picks), ``pytorch_lora_weights_<part>.safetensors`` for another (Wan2.2's ``transformer_2``)."""
+    return LORA_WEIGHT_NAME if part == "transformer" else f"pytorch_lora_weights_{part}.safetensors"
+
+
+def _save_full(folder: Path, part: nn.Module, state_dict: dict[str, Tensor] | None) -> None:
+    """A ``from_pretrained`` folder of ``part``; from ``state_dict`` (gathered weights) when given."""
+    if state_dict is None:
+        part.save_pretrained(folder, safe_serialization=True)
+        return
+    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    part.save_config(folder)  # what save_pretrained writes: config + one safetensors shard
+    save_file({k: v.detach().contiguous() for k, v in state_dict.items()}, folder / SAFETENSORS_WEIGHTS_NAME,
+              metadata={"format": "pt"})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -733,17 +785,83 @@ class FluxAdapter(_ImageAdapter):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Wan2.1 text-to-video
+# Wan2.1 / Wan2.2 text-to-video
 # ----------------------------------------------------------------------------------------------------------------
+
+
+TRAIN_EXPERTS = {"both": ("transformer", "transformer_2"), "high": ("transformer",), "low": ("transformer_2",)}
+"""``WanAdapter(train_experts=...)``: which of Wan2.2 A14B's experts train (the high-noise one is ``transformer``)."""
+
+
+def _sub_state(state_dict: dict[str, Tensor] | None, prefix: str) -> dict[str, Tensor] | None:
+    """The entries of ``state_dict`` under ``prefix.``, with the prefix removed (None stays None)."""
+    if state_dict is None:
+        return None
+    return {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items() if k.startswith(f"{prefix}.")}
+
+
+class WanExperts(nn.Module):
+    """Wan2.2 A14B's two experts as one module, switching per row exactly as ``WanPipeline`` switches per step.
+
+    A row whose timestep t (the pipeline's [0, 1000] scale) is >= ``boundary`` (``boundary_ratio *
+    num_train_timesteps``) goes through ``transformer``, the high-noise expert; any other row through
+    ``transformer_2``. A batch whose rows all lie on one side runs that expert alone (every rollout step). A mixed
+    batch (per-row timesteps, as a DanceGRPO replay has) runs BOTH experts on the whole batch and keeps each row
+    from its own expert, so each row comes out of a forward of the same batch size and position as in the rollout
+    (bitwise exact replays, at twice the cost). Each expert gets its inputs in its own dtype.
+
+    Under grad, the trainable parameters of an expert that did not run join the output times 0: every trained
+    weight is in every graph (as DDP without ``find_unused_parameters`` needs; a step that only a frozen expert
+    ran still back-propagates), with a zero gradient."""
+
+    def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary: float):
+        super().__init__()
+        self.transformer, self.transformer_2, self.boundary = transformer, transformer_2, boundary
+
+    def high_noise(self, timestep: Tensor) -> Tensor:
+        """(n,) bool: the rows of ``timestep`` ((n,), or per token (n, L) with the row's t as maximum) that
+        ``transformer`` handles."""
+        return timestep.reshape(timestep.shape[0], -1).amax(dim=1) >= self.boundary
+
+    def forward(self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
+                return_dict: bool = False) -> tuple[Tensor]:
+        """The experts' prediction (n, C, F, H, W), as a 1-tuple (what an expert returns with
+        ``return_dict=False``, the only form asked for)."""
+        high = self.high_noise(timestep)
+        pairs = ((self.transformer, high), (self.transformer_2, ~high))
+        ran = [expert for expert, rows in pairs if bool(rows.any())]
+        outs = [expert(hidden_states=hidden_states.to(expert.dtype), timestep=timestep,
+                       encoder_hidden_states=encoder_hidden_states.to(expert.dtype), return_dict=False)[0]
+                for expert in ran]
+        out = outs[0] if len(outs) == 1 else torch.where(high.view(-1, *[1] * (outs[0].ndim - 1)), *outs)
+        idle = [p for expert, _ in pairs if all(expert is not r for r in ran)
+                for p in expert.parameters() if p.requires_grad]
+        if idle and torch.is_grad_enabled():
+            out = out + 0.0 * sum(p.sum() for p in idle)
+        return (out,)
 
 
 @MODEL_ADAPTERS.register("wan", modality="video")
 class WanAdapter(FlowAdapter):
-    """Wan2.1 T2V (``WanPipeline``): latents (n, 16, (F - 1)/4 + 1, H/8, W/8); UMT5 text encoder.
+    """Wan2.1 / Wan2.2 text-to-video (``WanPipeline``): latents (n, C, (F - 1)/4 + 1, H/s, W/s); UMT5 encoder.
 
-    Only the single-transformer pipeline is supported (Wan2.2's two-expert ``transformer_2`` is not). The stock
-    pipeline's UniPC scheduler passes integer timesteps; here the transformer gets the exact ``sigma * 1000`` of the
-    sigma the step kernel uses."""
+    C and s come from the checkpoint: 16 channels at 8x (Wan2.1, Wan2.2 A14B), 48 at 16x (Wan2.2 TI2V-5B's VAE).
+
+    - Wan2.2 A14B (``transformer_2`` and ``boundary_ratio`` in the pipeline config): :attr:`transformer` is a
+      :class:`WanExperts` of both experts; ``guidance_scale`` applies to both (the pipeline's default when
+      ``guidance_scale_2`` is None). A ``transformer_2`` without ``boundary_ratio`` is unused, as in the pipeline.
+    - Wan2.2 TI2V-5B (``expand_timesteps``): every patch token gets its row's timestep, (n, tokens), as the
+      pipeline builds it for text-to-video (an all-ones mask).
+
+    The stock pipeline's UniPC scheduler passes integer timesteps; here the transformer gets the exact
+    ``sigma * 1000`` of the sigma the step kernel uses, and the expert is chosen on that value (the same expert
+    as the pipeline's whenever the boundary is a whole number, as 0.875 * 1000 is).
+
+    Args (beyond :class:`FlowAdapter`'s):
+        train_experts: with two experts, which train (a key of :data:`TRAIN_EXPERTS`): "both", "high"
+            (``transformer``) or "low" (``transformer_2``); the other keeps its base weights and takes no
+            LoRA. None takes ``model.train_experts``.
+    """
 
     kind = "wan"
     modality = "video"
@@ -751,11 +869,44 @@ class WanAdapter(FlowAdapter):
     default_max_sequence_length = 512
 
     def __init__(self, cfg: FlowModelConfig, device: torch.device | str = "cpu", keep_reference: bool = False,
-                 prompt_cache_size: int = 256):
+                 prompt_cache_size: int = 256, train_experts: str | None = None):
+        train_experts = cfg.train_experts if train_experts is None else train_experts
+        if train_experts not in TRAIN_EXPERTS:
+            raise ConfigError(f"bad value '{train_experts}' for 'model.train_experts': expected one of "
+                              f"{', '.join(TRAIN_EXPERTS)}")
+        self.train_experts = train_experts
         super().__init__(cfg, device, keep_reference, prompt_cache_size)
-        if getattr(self.pipe, "transformer_2", None) is not None or self.pipe.config.get("expand_timesteps", False):
-            raise ConfigError(f"bad value for 'model.path': '{cfg.path}' is a Wan2.2 two-expert or TI2V pipeline; "
-                              "mmgrpo supports single-transformer Wan text-to-video pipelines")
+
+    def _transformer_parts(self) -> dict[str, nn.Module]:
+        """``transformer``, plus ``transformer_2`` when the pipeline config sets ``boundary_ratio``."""
+        if self.pipe.transformer is None:
+            raise ConfigError(f"bad value for 'model.path': '{self.cfg.path}' has no transformer (mmgrpo needs the "
+                              "high-noise expert)")
+        parts = {"transformer": self.pipe.transformer}
+        if self.pipe.config.get("boundary_ratio") is None:
+            return parts
+        if getattr(self.pipe, "transformer_2", None) is None:
+            raise ConfigError(f"bad value for 'model.path': '{self.cfg.path}' sets boundary_ratio but has no "
+                              "transformer_2")
+        return {**parts, "transformer_2": self.pipe.transformer_2}
+
+    def _trained_names(self, parts: dict[str, nn.Module]) -> tuple[str, ...]:
+        names = tuple(n for n in TRAIN_EXPERTS[self.train_experts] if n in parts)
+        if not names:
+            raise ValueError(f"train_experts='{self.train_experts}': '{self.cfg.path}' has a single transformer")
+        return names
+
+    def _assemble(self, parts: dict[str, nn.Module]) -> nn.Module:
+        if "transformer_2" not in parts:
+            return parts["transformer"]
+        boundary = self.pipe.config.boundary_ratio * self.pipe.scheduler.config.num_train_timesteps
+        return WanExperts(parts["transformer"], parts["transformer_2"], boundary)
+
+    def _split_trained(self, model: nn.Module, state_dict: dict[str, Tensor] | None
+                       ) -> list[tuple[str, nn.Module, dict[str, Tensor] | None]]:
+        if not isinstance(model, WanExperts):
+            return super()._split_trained(model, state_dict)
+        return [(name, getattr(model, name), _sub_state(state_dict, name)) for name in self.trained_parts]
 
     def _encode_one(self, prompt: str) -> dict[str, Tensor]:
         embeds, _ = self.pipe.encode_prompt(prompt=[prompt], do_classifier_free_guidance=False, device=self.device,
@@ -774,8 +925,17 @@ class WanAdapter(FlowAdapter):
     def _set_timesteps(self, scheduler: Any, num_steps: int, height: int, width: int, num_frames: int) -> None:
         scheduler.set_timesteps(num_steps, device="cpu")
 
+    def _token_timesteps(self, x: Tensor, timestep: Tensor) -> Tensor:
+        """TI2V's per-token timesteps (n, F'/p_t * H'/p_h * W'/p_w) for latents x (n, C, F', H', W'): each row's
+        timestep (n,) on every patch token (WanPipeline's ``mask * t`` with the all-ones text-to-video mask)."""
+        p_t, p_h, p_w = self.pipe.transformer.config.patch_size
+        tokens = (x.shape[2] // p_t) * (x.shape[3] // p_h) * (x.shape[4] // p_w)
+        return timestep[:, None].expand(-1, tokens)
+
     def _forward(self, model: nn.Module, x: Tensor, timestep: Tensor, embeds: dict[str, Tensor],
                  guidance_scale: float) -> Tensor:
+        if self.pipe.config.get("expand_timesteps", False):
+            timestep = self._token_timesteps(x, timestep)
         return model(hidden_states=x, timestep=timestep, encoder_hidden_states=embeds["encoder_hidden_states"],
                      return_dict=False)[0]
 

@@ -9,12 +9,15 @@ preset alike; each preset's time is the median of its rounds. An iteration is wh
 optimiser step: rollout, rewards, advantages and the update; no evaluation or
 checkpointing.
 
-``loop_overhead``: iteration time divided by the time spent inside the transformer during that iteration,
-timed around every forward call of the transformer and every backward pass (so the pure model compute of
-exactly the iteration's NFEs, measured under the same load). ``raw_overhead`` is the same ratio against
-separately timed raw calls (a micro-batch forward, and forward + backward) times the number of calls the NFE
-counters imply; it is noisy on a shared machine and only given for presets whose calls are all full
-micro-batches.
+``loop_overhead`` (the spec's figure): iteration time over the pure transformer forward and backward time of the
+same NFEs. Every transformer call of the iteration is recorded by its shape (rows, under grad or not); each
+shape is timed as a raw call on its own, on the run's latents (a no-grad forward, or a forward and its
+backward), once per round, and the pure time is the sum over the iteration's calls of their shape's median raw
+time. The calls keep their batch sizes, so this covers every preset, trees and fused CFG included. Figures:
+``loop_overhead`` of tiny_flowgrpo and ``loop_overhead_max`` over the presets.
+``inloop_overhead`` (secondary): iteration time over the time spent inside the transformer during that
+iteration, timed around every forward call and every backward pass (the same calls, timed where they run, under
+the loop's cache and memory state).
 
 Memory: each preset also runs alone in a fresh process for ``MEMORY_ITERATIONS`` iterations: the process's
 peak resident set size (``ru_maxrss``, model loading included), and the peak during training alone (Linux
@@ -37,6 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +59,25 @@ MEMORY_ITERATIONS = 2
 FIGURES = {"mixgrpo_vs_flowgrpo": ("tiny_mixgrpo", "tiny_flowgrpo"),
            "mixgrpo_flash_vs_flowgrpo": ("tiny_mixgrpo_flash", "tiny_flowgrpo"),
            "branchgrpo_vs_dancegrpo": ("tiny_branchgrpo", "tiny_dancegrpo")}
+Shape = tuple[int, bool]
+"""A transformer call: (latent rows, under grad); a call under grad is followed by one backward."""
 
 
 class ModelClock:
-    """Seconds spent inside the transformer's forward calls and the trainers' backward passes."""
+    """Seconds spent inside the transformer's forward calls and the trainers' backward passes, and the shape of
+    every forward call (``calls``: shape -> count)."""
 
     def __init__(self, module: torch.nn.Module):
         self.seconds = 0.0
+        self.calls: Counter[Shape] = Counter()
         self._start = 0.0
-        module.register_forward_pre_hook(lambda *_: self._begin())
+        module.register_forward_pre_hook(self._forward, with_kwargs=True)
         module.register_forward_hook(lambda *_: self._end())
+
+    def _forward(self, _module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        self.calls[(hidden.shape[0], torch.is_grad_enabled())] += 1
+        self._begin()
 
     def _begin(self) -> None:
         self._start = time.perf_counter()
@@ -104,6 +118,8 @@ def build_trainers(output_dir: str, presets: tuple[str, ...] = PRESETS) -> dict[
 def iteration(trainer: Any, clock: ModelClock | None = None) -> dict[str, Any]:
     """One timed GRPO iteration of ``trainer``, the way ``Trainer.train`` runs it."""
     model_start = clock.seconds if clock else 0.0
+    if clock:
+        clock.calls.clear()
     start = time.perf_counter()
     items_idx, group_ids = trainer.sampler.next()
     items = [trainer.train_items[i] for i in items_idx]
@@ -118,32 +134,54 @@ def iteration(trainer: Any, clock: ModelClock | None = None) -> dict[str, Any]:
     end = time.perf_counter()
     return {"seconds": end - start, "rollout_s": rolled - start, "train_s": end - rolled,
             "model_s": (clock.seconds if clock else 0.0) - model_start, "counters": rollout.counters,
+            "calls": dict(clock.calls) if clock else {},
             "onpolicy_max_dev": metrics[0]["ratio/onpolicy_max_dev"]}
 
 
-def raw_call_seconds(policy: Any) -> tuple[float, float]:
-    """(forward, forward + backward) seconds of one raw transformer call on a micro-batch of the run's
-    latents."""
-    s, rows = policy.cfg.sampling, policy.cfg.train.micro_batch_size
-    adapter = policy.adapter
+def raw_call(policy: Any, shape: Shape) -> Callable[[], None]:
+    """One raw transformer call of ``shape`` on the run's latents and a prompt embedding (guidance 1: one
+    forward): a no-grad forward, or a forward and its backward."""
+    rows, grad = shape
+    s, adapter = policy.cfg.sampling, policy.adapter
     x = adapter.initial_latents(rows, s.height, s.width, s.num_frames, torch.Generator().manual_seed(0))
-    embeds = adapter.encode(["a red circle"] * rows, "", 1.0)  # guidance 1: exactly one forward per call
+    embeds = adapter.encode(["a red circle"] * rows, "", 1.0)
     sigma = torch.full((rows,), 0.5)
 
-    def forward() -> None:
-        with torch.no_grad():
-            adapter.velocity(x, sigma, embeds, 1.0, transformer=policy.model)
+    def call() -> None:
+        with torch.set_grad_enabled(grad):
+            v = adapter.velocity(x, sigma, embeds, 1.0, transformer=policy.model)
+        if grad:
+            v.square().mean().backward()
+            policy.model.zero_grad(set_to_none=True)
 
-    def forward_backward() -> None:
-        adapter.velocity(x, sigma, embeds, 1.0, transformer=policy.model).square().mean().backward()
-        policy.model.zero_grad(set_to_none=True)
-
-    return median_seconds(forward, repeats=3), median_seconds(forward_backward, repeats=3)
+    return call
 
 
-def summarize(preset: str, cfg: Any, runs: list[dict[str, Any]],
-              raw: list[tuple[float, float]]) -> dict[str, Any]:
-    """The table row of a preset from its timed iterations and the raw call timings."""
+def raw_call_seconds(policy: Any, shapes: set[Shape]) -> dict[Shape, float]:
+    """Median seconds of one raw call of each shape (3 timed after a warm-up)."""
+    return {shape: median_seconds(raw_call(policy, shape), repeats=3) for shape in sorted(shapes)}
+
+
+def median_raw(rounds: list[dict[Shape, float]]) -> dict[Shape, float]:
+    """Per shape, the median of its raw call seconds over the rounds that timed it."""
+    shapes = {shape for timed in rounds for shape in timed}
+    return {shape: statistics.median(t[shape] for t in rounds if shape in t) for shape in shapes}
+
+
+def pure_seconds(calls: Mapping[Shape, int], raw: Mapping[Shape, float]) -> float:
+    """Seconds the transformer alone takes for ``calls`` (shape -> count), from the raw seconds per shape."""
+    return sum(count * raw[shape] for shape, count in calls.items())
+
+
+def overheads(runs: list[dict[str, Any]], raw: Mapping[Shape, float]) -> dict[str, float]:
+    """Median over a preset's timed iterations (``seconds``, ``model_s``, ``calls``) of ``loop_overhead``:
+    iteration seconds / :func:`pure_seconds` of its calls, and ``inloop_overhead``: seconds / ``model_s``."""
+    return {"loop_overhead": statistics.median(r["seconds"] / pure_seconds(r["calls"], raw) for r in runs),
+            "inloop_overhead": statistics.median(r["seconds"] / r["model_s"] for r in runs)}
+
+
+def summarize(preset: str, cfg: Any, runs: list[dict[str, Any]], raw: Mapping[Shape, float]) -> dict[str, Any]:
+    """The table row of a preset from its timed iterations and the raw seconds per call shape."""
     counters = runs[-1]["counters"]
     row = {"preset": preset, "mode": cfg.mode.name,
            "s_per_iter": statistics.median(r["seconds"] for r in runs),
@@ -152,16 +190,8 @@ def summarize(preset: str, cfg: Any, runs: list[dict[str, Any]],
            "nfe_rollout": counters["nfe/rollout"], "nfe_train_grad": counters["nfe/train_grad"],
            "nfe_train_nograd": counters["nfe/train"] - counters["nfe/train_grad"],
            "compute_units": counters["nfe/rollout"] + counters["nfe/train"] + 2 * counters["nfe/train_grad"],
-           "onpolicy_max_dev": max(r["onpolicy_max_dev"] for r in runs),
-           "loop_overhead": statistics.median(r["seconds"] / r["model_s"] for r in runs),
-           "raw_overhead": None}
-    mb = cfg.train.micro_batch_size
-    if cfg.mode.name != "branch" and (cfg.train.prompts_per_step * cfg.train.group_size) % mb == 0:
-        forward = statistics.median(f for f, _ in raw)
-        forward_backward = statistics.median(fb for _, fb in raw)
-        no_grad_calls = (row["nfe_rollout"] + row["nfe_train_nograd"]) / mb
-        pure = no_grad_calls * forward + row["nfe_train_grad"] / mb * forward_backward
-        row["raw_overhead"] = row["s_per_iter"] / pure
+           "onpolicy_max_dev": max(r["onpolicy_max_dev"] for r in runs)}
+    row.update(overheads(runs, raw))
     return row
 
 
@@ -179,15 +209,17 @@ def timing(rounds: int = ROUNDS) -> dict[str, dict[str, Any]]:
         for trainer in trainers.values():
             clock.time_backward(trainer.accelerator)
         runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PRESETS}
-        raw = []
+        raw, shapes = [], set()
         for round_index in range(rounds + 1):
             for preset, trainer in trainers.items():
                 result = iteration(trainer, clock)
                 if round_index:
                     runs[preset].append(result)
+                    shapes |= set(result["calls"])
             if round_index:
-                raw.append(raw_call_seconds(first))
-    return {p: summarize(p, trainers[p].cfg, runs[p], raw) for p in PRESETS}
+                raw.append(raw_call_seconds(first, shapes))
+        raw_median = median_raw(raw)
+    return {p: summarize(p, trainers[p].cfg, runs[p], raw_median) for p in PRESETS}
 
 
 def peak_rss_mib() -> float:
@@ -237,6 +269,8 @@ def flow_modes() -> tuple[list[dict[str, Any]], dict[str, float]]:
     dance, branch = rows["tiny_dancegrpo"], rows["tiny_branchgrpo"]
     figures["branchgrpo_vs_dancegrpo_compute_units"] = branch["compute_units"] / dance["compute_units"]
     figures["loop_overhead"] = rows["tiny_flowgrpo"]["loop_overhead"]
+    figures["loop_overhead_max"] = max(row["loop_overhead"] for row in rows.values())
+    figures["inloop_overhead"] = rows["tiny_flowgrpo"]["inloop_overhead"]
     figures["bench_minutes"] = (time.perf_counter() - start) / 60
     return list(rows.values()), figures
 

@@ -36,6 +36,9 @@ class FlowModelConfig:
     max_sequence_length: int | None = None
     """T5/UMT5 tokens per prompt; None keeps the pipeline's default (SD3 256, FLUX and Wan 512). Shorter is
     cheaper: the tiny presets use 32, since their images have only a few tokens."""
+    train_experts: str = "both"
+    """Wan2.2 A14B (two experts): which train, both, high (``transformer``, the high-noise expert) or low
+    (``transformer_2``); the other keeps its base weights. Ignored by single-transformer models."""
     gradient_checkpointing: bool = False
     """Recompute transformer activations in backward to save memory."""
     attention_backend: str = "auto"
@@ -92,7 +95,8 @@ class FlowModeConfig:
     """flow_grpo: fraction of the first steps that are trained. dance_grpo: fraction trained per sample."""
     window_size: int = 4
     """mixgrpo / flash / fast: SDE steps in the sliding window. branch with branch_variant=mix: the SDE window
-    is steps [0, window_size) (plus the split steps)."""
+    is steps [0, window_size) (plus the split steps). mixgrpo, flash and branch-mix need 1 <= window_size <=
+    sampling.num_steps (fast: at most fast_within of it)."""
     shift_interval: int = 25
     """mixgrpo / flash: iterations between window moves."""
     window_stride: int = 1

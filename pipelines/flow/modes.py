@@ -48,6 +48,13 @@ def sde_kernel(sampling: Any, sigma_max_substitute: float) -> Callable[..., kern
                       f"{', '.join(SDE_KINDS)}")
 
 
+def check_window_size(size: int, num_steps: int) -> None:
+    """A ConfigError unless an SDE window of ``size`` steps fits the schedule: 1 <= size <= num_steps."""
+    if not 1 <= size <= num_steps:
+        raise ConfigError(f"bad value for 'mode.window_size': {size} must be in [1, 'sampling.num_steps' = "
+                          f"{num_steps}]")
+
+
 def checked(keys: str | dict[str, str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, with a ValueError from the schedule math reported as a ConfigError naming the
     config key. ``keys`` is that key, or maps the parameter an error message starts with (``"size="``) to its
@@ -74,6 +81,10 @@ class LinearPlan:
       :class:`~.schedules.StepPlan`; the same for every sample).
     - ``shared_noise``: the G samples of a group start from one initial latent (TempFlow-GRPO always; the other
       modes with ``mode.shared_initial_noise``).
+    - ``share_prefix``: with ``shared_noise``, a group's samples are identical until the first step any of them
+      is SDE (:meth:`shared_steps`), so the policy runs those steps on one row per group and expands it to the
+      G rows at that step, as a BranchGRPO tree splits. False runs every row on every step: the same samples
+      up to float noise (a row's transformer output depends on the batch size), at G times the prefix's cost.
     """
 
     sde: Tensor
@@ -81,6 +92,7 @@ class LinearPlan:
     solver_after: str = "euler"
     ode_sigmas_after: tuple[int, ...] | None = None
     shared_noise: bool = False
+    share_prefix: bool = True
 
     @classmethod
     def shared(cls, plan: schedules.StepPlan, num_samples: int, shared_noise: bool = False) -> LinearPlan:
@@ -100,6 +112,16 @@ class LinearPlan:
         if self.solver_after == "euler":
             return self.num_steps
         return int(self.sde.any(dim=0).nonzero().max()) + 1
+
+    def shared_steps(self, group_size: int) -> Tensor:
+        """(N,) int64: how many leading steps each sample runs as its whole group of ``group_size`` (rows
+        group-major): the steps before the first SDE step of any member with ``shared_noise`` and
+        ``share_prefix`` (TempFlow: the branch step k), else 0."""
+        n, t = self.sde.shape
+        if not (self.shared_noise and self.share_prefix):
+            return torch.zeros(n, dtype=torch.int64)
+        first = torch.where(self.sde.any(dim=1), self.sde.int().argmax(dim=1), t)  # argmax: the first True
+        return first.view(-1, group_size).min(dim=1).values.repeat_interleave(group_size)
 
     def unit_of(self) -> Tensor:
         """(N, T) int64: the unit (column of ``train_steps``) of each sample's step, -1 when it is not
@@ -240,9 +262,9 @@ class MixGRPOMode(RolloutMode):
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         m = self.mode
-        keys = {"size": "mode.window_size", "shift_interval": "mode.shift_interval",
-                "stride": "mode.window_stride", "strategy": "mode.window_strategy",
-                "num_steps": "sampling.num_steps"}
+        check_window_size(m.window_size, self.num_steps)
+        keys = {"shift_interval": "mode.shift_interval", "stride": "mode.window_stride",
+                "strategy": "mode.window_strategy", "num_steps": "sampling.num_steps"}
         self.window = checked(keys, schedules.SlidingWindow, self.num_steps, m.window_size, m.shift_interval,
                               m.window_stride, m.window_strategy, seed=max(cfg.seed, 0))
 
@@ -305,9 +327,10 @@ class BranchMode(RolloutMode):
         self.branch = checked({"split_points": "mode.split_points", "branch_factor": "mode.branch_factor",
                                "num_steps": "sampling.num_steps"},
                               tree.BranchPlan, self.num_steps, tuple(m.split_points), m.branch_factor)
-        window = (0, min(m.window_size, self.num_steps)) if m.branch_variant == "mix" else None
-        if m.branch_variant == "mix" and m.window_size < 1:
-            raise ConfigError(f"bad value for 'mode.window_size': must be >= 1, got {m.window_size}")
+        window = None
+        if m.branch_variant == "mix":
+            check_window_size(m.window_size, self.num_steps)
+            window = (0, m.window_size)
         self.sde = checked("mode.branch_variant", tree.branch_sde_steps, self.branch, m.branch_variant,
                            window)
         if m.reward_backup not in tree.BACKUP_MODES:

@@ -11,9 +11,11 @@ micro-batches, one unit per backward), with the same prompt embeddings, guidance
 latents are stored in ``sampling.latent_dtype`` and the trajectory continues from the stored value, so the
 training replay sees bit-for-bit the rollout's inputs. A row's output depends only on its own content, its
 position and the batch size (measured on the tiny SD3: another row's content changes it by exactly 0), so
-per-sample trained steps (dance_grpo, tempflow) are exact too. Tree nodes (branch) are forwarded depth by
-depth, a layout training cannot share, so branch rollouts ask the trainer to recompute the old log-probs in
-training chunking.
+per-sample trained steps (dance_grpo, tempflow) are exact too, and a chunk holding a trained row runs whole
+even where the other rows' velocities are not needed. A group with shared start noise runs the steps before its
+first SDE step (TempFlow: its branch step k) on one row and expands it to the G rows there, as a tree splits.
+Tree nodes (branch) are forwarded depth by depth, a layout training cannot share, so branch rollouts ask the
+trainer to recompute the old log-probs in training chunking.
 
 NFE convention: one NFE is one sample (one latent row) through the transformer once; a CFG step costs 2.
 """
@@ -205,8 +207,10 @@ class FlowPolicy(Policy):
 
     def _sample_chain(self, plan: LinearPlan, embeds: Any, group_size: int,
                       generator: torch.Generator) -> tuple[Tensor, dict[str, Any], int]:
-        """Run N independent samples; returns (final latents, stored units, NFE). Every forward and every
-        trained step's kernel runs on the training micro-batch chunks."""
+        """Run N samples; returns (final latents, stored units, NFE). Each step's velocities come from
+        :meth:`_chain_velocities`; every trained step's kernel runs on the training micro-batch chunks. A group
+        that shares its prefix (:meth:`LinearPlan.shared_steps`) runs it on its first row, whose velocity every
+        member takes, so the members stay identical until their first SDE step."""
         n, u = plan.train_steps.shape
         if plan.shared_noise:
             x = self._initial(n // group_size, generator, repeat=group_size)
@@ -214,6 +218,9 @@ class FlowPolicy(Policy):
             x = self._initial(n, generator)
         row_embeds = embeds.select(torch.arange(len(embeds)).repeat_interleave(group_size))
         unit_of = plan.unit_of()
+        shared = plan.shared_steps(group_size)
+        rows = torch.arange(n)
+        leader = rows - rows % group_size
         store = self._unit_store(n, u, x, keep_uncond=embeds.uncond is not None)
         nfe = 0
         for i in range(plan.main_steps):
@@ -221,30 +228,55 @@ class FlowPolicy(Policy):
             noise = self._noise(x, generator) if bool(sde.any()) else None
             sigma = self.sigmas[i].expand(n).to(self.device)
             sigma_next = self.sigmas[i + 1].expand(n).to(self.device)
+            source = torch.where(shared > i, leader, rows)
+            v, uncond, ran = self._chain_velocities(x, sigma, row_embeds, unit_of[:, i] >= 0, source.unique())
+            nfe += ran
+            v = v[source]
             nxt = torch.empty_like(x)
             for c in self._chunks(n):
-                replayed = bool((unit_of[c, i] >= 0).any())
-                v, uncond = self._guided(x[c], sigma[c], row_embeds.select(c), replayed)
-                nfe += len(c)
-                nxt[c], logp, std = self._transition(x[c], v, sigma[c], sigma_next[c], sde[c],
+                nxt[c], logp, std = self._transition(x[c], v[c], sigma[c], sigma_next[c], sde[c],
                                                      None if noise is None else noise[c])
-                rows = c[unit_of[c, i] >= 0]
-                if len(rows):
-                    k, cols = rows - c[0], unit_of[rows, i]
-                    store["x"][rows, cols] = x[c][k].to(self.latent_dtype)
-                    store["x_next"][rows, cols] = nxt[c][k].to(self.latent_dtype)
-                    store["sigma"][rows, cols] = sigma[rows]
-                    store["sigma_next"][rows, cols] = sigma_next[rows]
-                    store["logp"][rows, cols] = logp[k]
-                    store["std"][rows, cols] = std[k]
+                trained = c[unit_of[c, i] >= 0]
+                if len(trained):
+                    k, cols = trained - c[0], unit_of[trained, i]
+                    store["x"][trained, cols] = x[trained].to(self.latent_dtype)
+                    store["x_next"][trained, cols] = nxt[trained].to(self.latent_dtype)
+                    store["sigma"][trained, cols] = sigma[trained]
+                    store["sigma_next"][trained, cols] = sigma_next[trained]
+                    store["logp"][trained, cols] = logp[k]
+                    store["std"][trained, cols] = std[k]
                     if uncond is not None:
-                        store["v_uncond"][rows, cols] = uncond[k].to(self.adapter.dtype)
+                        store["v_uncond"][trained, cols] = uncond[trained].to(self.adapter.dtype)
             x = nxt
         if plan.solver_after == "dpm2":
             x, extra = self._dpm_after(x, plan, row_embeds)
             nfe += extra
         store.update(embeds=row_embeds, mask=torch.ones(n, u, dtype=torch.bool, device=self.device))
         return x, store, nfe
+
+    def _chain_velocities(self, x: Tensor, sigma: Tensor, embeds: Any, trained: Tensor,
+                          needed: Tensor) -> tuple[Tensor, Tensor | None, int]:
+        """One step's velocities of N chain rows: ``x`` (N, ...), ``sigma`` (N,), ``trained`` (N,) bool (rows
+        that train this step), ``needed`` (M,) int64 (rows whose velocity is used).
+
+        A micro-batch chunk holding a trained row runs whole, CFG as separate forwards: the layout in which
+        training replays it (a row's output depends on its position and the batch size). The other needed rows
+        run packed into micro-batch chunks. Returns the fp32 velocities (set on those rows), the unconditional
+        velocities of the replayed chunks (None without CFG) and the rows run."""
+        v = torch.zeros_like(x)
+        uncond = None
+        replayed = torch.zeros(len(x), dtype=torch.bool)
+        for c in self._chunks(len(x)):
+            if bool(trained[c].any()):
+                v[c], part = self._guided(x[c], sigma[c], embeds.select(c), replayed=True)
+                if part is not None:
+                    uncond = part.new_zeros(x.shape) if uncond is None else uncond
+                    uncond[c] = part
+                replayed[c] = True
+        rest = needed[~replayed[needed]]
+        for c in rest.split(self.cfg.train.micro_batch_size) if len(rest) else ():
+            v[c] = self._guided(x[c], sigma[c], embeds.select(c), replayed=False)[0]
+        return v, uncond, int(replayed.sum()) + len(rest)
 
     def _unit_store(self, n: int, u: int, x: Tensor, keep_uncond: bool) -> dict[str, Tensor]:
         """Empty per-unit storage for n rows x u units of latents shaped like ``x`` (., ...). ``keep_uncond``

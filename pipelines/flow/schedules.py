@@ -163,8 +163,11 @@ class SlidingWindow:
       every iteration, from ``(seed, iteration)`` alone.
     - ``"decay"``: progressive, but the shift interval shrinks as the window moves to later (less noisy)
       steps, linearly in the window position: ``max(min_shift_interval, int(shift_interval * (1 - p) +
-      min_shift_interval * p))`` with ``p = start / max_start``; it rolls back like progressive. This is the
-      ``"decay"`` strategy of the MixGRPO code (``get_dynamic_iters_per_group``).
+      min_shift_interval * p))`` with ``p = start / max(T - 2, 1)``; it rolls back like progressive. This is
+      the ``"decay"`` strategy of the MixGRPO code (``get_dynamic_iters_per_group``): its ``progress`` is the
+      window's current start step (a denoising step, not the training iteration) over its start bound
+      ``sampling_steps - 2``, whatever the window size and ``max_start`` are here. Its ``max_iters_per_group``
+      is ``shift_interval`` here (its scripts pass 10 and ``min_iters_per_group`` 1).
 
     Fields:
     - num_steps: T >= 1.
@@ -176,8 +179,9 @@ class SlidingWindow:
       (the MixGRPO code bounds the start by T - 2 and truncates windows there, so its last 2 steps stay
       ODE).
     - seed: >= 0, seeds the "random" strategy.
-    - min_shift_interval: "decay" only, the interval at ``max_start``, 1..shift_interval; None means
-      ``max(1, shift_interval // 4)`` as in MixGRPO (its scripts pass 10 and 1 explicitly).
+    - min_shift_interval: "decay" only, the smallest interval, 1..shift_interval: the interval at start T - 2,
+      beyond ``max_start`` for windows of more than 2 steps (so the last start may keep a longer one); None
+      means ``max(1, shift_interval // 4)`` as in MixGRPO (its scripts pass 10 and 1 explicitly).
     """
 
     num_steps: int
@@ -216,7 +220,7 @@ class SlidingWindow:
         """Iterations the window stays at ``start``: ``shift_interval``, or less for "decay"."""
         if self.strategy != "decay":
             return self.shift_interval
-        p = start / self.max_start if self.max_start else 0.0
+        p = start / max(self.num_steps - 2, 1)
         return max(self.min_shift_interval,
                    int(self.shift_interval * (1 - p) + self.min_shift_interval * p))
 

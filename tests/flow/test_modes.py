@@ -117,6 +117,18 @@ def test_bad_mode_settings_name_the_key(overrides, key):
         config(*overrides)
 
 
+@pytest.mark.parametrize("name", ["mixgrpo", "mixgrpo_flash", "branch"])
+def test_a_window_longer_than_the_schedule_is_one_line_naming_both_keys(name):
+    tree = ["mode.branch_variant=mix", "mode.split_points=[1,2]", "train.group_size=4"] if name == "branch" else []
+    with pytest.raises(ConfigError) as err:
+        config(f"mode.name={name}", "mode.window_size=11", *tree)
+    message = str(err.value)
+    assert "'mode.window_size'" in message and "'sampling.num_steps' = 10" in message and "\n" not in message
+    whole = build_mode(config(f"mode.name={name}", "mode.window_size=10", *tree))  # the whole schedule fits
+    if name == "branch":
+        assert all(whole.sde)
+
+
 def test_every_mode_is_registered():
     from mmgrpo.registry import ROLLOUT_MODES
 

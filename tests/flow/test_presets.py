@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from mmgrpo.config import load_config
+from mmgrpo.pipelines.flow.modes import build_mode
+
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ["tiny_flowgrpo", "tiny_dancegrpo", "tiny_mixgrpo", "tiny_mixgrpo_flash", "tiny_branchgrpo",
            "tiny_tempflow"]
@@ -38,14 +43,29 @@ def test_all_tiny_presets_train_two_steps_exactly_on_policy(tmp_path):
         assert max(r["reward/std_within_group"] for r in rows) > 0, preset  # the shipped model's samples differ
         assert (tmp_path / preset / "checkpoints" / "step-2" / "policy").is_dir()
         assert (tmp_path / preset / "samples" / "step-2.png").is_file()  # eval at the last step
-    branch = json.loads((tmp_path / "tiny_branchgrpo" / "metrics.jsonl").read_text().splitlines()[0])
-    assert branch["logp/rollout_vs_recompute_max_dev"] <= 1e-5
+    first = {p: json.loads((tmp_path / p / "metrics.jsonl").read_text().splitlines()[0]) for p in PRESETS}
+    # branch takes the first update's old log-probs from that update's forward, so its ratio/onpolicy_max_dev is 0
+    # by construction; its exactness check is the tree-layout rollout against the training-layout recomputation
+    assert first["tiny_branchgrpo"]["logp/rollout_vs_recompute_max_dev"] <= 1e-6
+    # TempFlow runs each group's ODE prefix (the steps before its branch step) on one row instead of 8
+    assert first["tiny_tempflow"]["nfe/rollout"] < first["tiny_flowgrpo"]["nfe/rollout"] == 160
+
+
+@pytest.mark.parametrize("preset", sorted((ROOT / "configs" / "flow").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_preset_loads_and_builds_its_mode(preset):
+    cfg = load_config(preset)  # validates every key and builds the rollout mode
+    assert cfg.pipeline == "flow" and build_mode(cfg).num_steps == cfg.sampling.num_steps
+    if not preset.stem.startswith(("tiny", "demo")):  # GPU recipes say what they assume and where values come from
+        header = "\n".join(line for line in preset.read_text().splitlines() if line.startswith("#"))
+        assert "Hardware:" in header and ("published" in header.lower() or "derived" in header.lower())
 
 
 def test_bad_keys_and_values_exit_2_naming_the_key():
-    cases = [("tiny_mixgrpo", "no.such.key=1", "no.such.key"),
-             ("tiny_branchgrpo", "mode.split_points=[2,4,12]", "mode.split_points")]  # more: test_modes.py
-    runs = [(key, mmgrpo("train", f"configs/flow/{preset}.yaml", arg)) for preset, arg, key in cases]
+    cases = [("tiny_mixgrpo", ["no.such.key=1"], "no.such.key"),
+             ("tiny_branchgrpo", ["mode.split_points=[2,4,12]"], "mode.split_points"),
+             ("tiny_branchgrpo", ["mode.branch_variant=mix", "mode.window_size=11"], "mode.window_size")]
+    # more: test_modes.py
+    runs = [(key, mmgrpo("train", f"configs/flow/{preset}.yaml", *args)) for preset, args, key in cases]
     for key, proc in runs:
         _, err = proc.communicate()
         assert proc.returncode == 2, err

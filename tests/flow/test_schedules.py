@@ -112,6 +112,17 @@ def test_decay_shrinks_the_shift_interval_linearly_with_the_window_position():
     assert SlidingWindow(10, shift_interval=8).interval_at(5) == 8  # constant for progressive
 
 
+def test_decay_divides_the_window_start_by_mixgrpos_start_bound():
+    """MixGRPO's get_dynamic_iters_per_group: progress = window start / (sampling_steps - 2), whatever the window
+    size; at 25 steps a 4-step window's starts end at 21, not 23."""
+    w = SlidingWindow(25, size=4, shift_interval=10, strategy="decay", min_shift_interval=1)
+    closed = [max(1, int(10 * (1 - s / 23) + s / 23)) for s in range(22)]
+    assert [w.interval_at(s) for s in range(22)] == closed
+    assert closed[10] == 6 and closed[21] == 1  # start / max_start would give int(110/21 + 10/21) = 5 at 10
+    ends = [sum(closed[:s + 1]) for s in range(22)]
+    assert [w.start(e - 1) for e in ends] == list(range(22)) and w.start(ends[-1]) == 0  # then rolls back
+
+
 def test_random_window_is_reproducible_and_independent_of_call_order():
     w = SlidingWindow(12, size=3, strategy="random", seed=5)
     forward = [w.start(i) for i in range(60)]
