@@ -31,3 +31,15 @@ def test_named_paths_exist():
     for path in re.findall(r"`((?:configs|docs|mmgrpo|pipelines|rewards|assets)/[^`*]+)`", README):
         for part in path.split(", "):
             assert (ROOT / part.strip("`")).exists(), part
+
+
+def test_every_shipped_preset_is_in_the_presets_table():
+    named = set(re.findall(r"`(configs/(?:flow|vlm)/[^`]+\.yaml)`", README))
+    shipped = {str(p.relative_to(ROOT)) for d in ("flow", "vlm") for p in (ROOT / "configs" / d).glob("*.yaml")}
+    assert shipped - named == set()
+
+
+def test_every_rollout_mode_is_in_the_feature_table():
+    from mmgrpo.registry import ROLLOUT_MODES
+
+    assert {e.name for e in ROLLOUT_MODES} - set(re.findall(r"`([a-z_]+)`", README)) == set()
