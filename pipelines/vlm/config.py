@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mmgrpo.config import BaseConfig
 
@@ -118,7 +119,25 @@ class VLMGenerationConfig:
     top_k: int = 0
     """Top-k sampling (0 disables)."""
     backend: str = "hf"
-    """hf (transformers, prefill shared across the group) or vllm (the ``vllm`` extra, GPU)."""
+    """hf (transformers, prefill shared across the group) or vllm (the ``vllm`` extra, CUDA, vLLM >= 0.11): training
+    rollouts sample through a vLLM engine colocated in each process (``pipelines/vlm/vllm_backend.py``); old
+    log-probs still come from the training forward, and eval / sample keep the transformers path."""
+    # --- vLLM rollout backend options (used only with backend: vllm; docs/vlm.md, "vLLM rollout backend") ---
+    vllm_gpu_memory_utilization: float = 0.3
+    """Fraction of each GPU the colocated engine may take (its weight copy, KV cache, activations and CUDA graphs);
+    the trainer's weights, gradients, optimiser state and activations must fit in the rest."""
+    vllm_max_model_len: int = 0
+    """Longest sequence (prompt + completion) the engine holds; 0 uses data.max_prompt_tokens + max_new_tokens."""
+    vllm_sleep: bool = False
+    """Between rollouts, offload the engine's weights to CPU memory and free its KV cache (vLLM sleep level 1),
+    leaving that GPU memory to training; costs a copy back at every rollout."""
+    vllm_check_logprobs: bool = True
+    """Ask vLLM for the sampled tokens' log-probs and log ``logp/rollout_vs_recompute_max_dev`` (their max gap to
+    the training forward's) when the scoring temperature is 1; training never uses them."""
+    vllm_engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of ``vllm.LLM``, overriding ours (e.g. ``enforce_eager: true``, ``max_num_seqs``);
+    ``mm_processor_kwargs`` given here are merged into ours (the pixel bounds that keep decoded media unresized)."""
+    # --- end of vLLM options ---
     mask_truncated: bool = True
     """Leave truncated completions out of the loss."""
     eval_temperature: float = 0.0

@@ -31,6 +31,13 @@ from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
+from mmgrpo.pipelines.vlm.vllm_backend import (
+    VLLMSampler,
+    backend_unavailable,
+    check_vllm_options,
+    media_limits,
+)
+from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
 from mmgrpo.policy import LogProbs, Policy, Rollout
 from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
@@ -95,10 +102,13 @@ def check_config(cfg: VLMConfig) -> None:
     """Raise ConfigError naming the key of a value the vlm policy cannot run with."""
     gen = cfg.generation
     if gen.backend == "vllm":
-        raise ConfigError("bad value 'vllm' for 'generation.backend': the vLLM rollout backend is not available in "
-                          "this build (see docs/vlm.md); use 'hf'")
-    if gen.backend != "hf":
-        raise ConfigError(f"bad value '{gen.backend}' for 'generation.backend': expected hf (or vllm, planned)")
+        reason = backend_unavailable()
+        if reason is not None:
+            raise ConfigError(f"bad value 'vllm' for 'generation.backend': the vLLM rollout backend is not "
+                              f"available here: {reason}; use 'hf'")
+        check_vllm_options(gen)
+    elif gen.backend != "hf":
+        raise ConfigError(f"bad value '{gen.backend}' for 'generation.backend': expected hf or vllm")
     if gen.max_new_tokens < 1:
         raise ConfigError(f"bad value for 'generation.max_new_tokens': must be >= 1, got {gen.max_new_tokens}")
     if gen.batch_rows < 0:
@@ -136,6 +146,9 @@ class VLMPolicy(Policy):
         keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
         self.vlm = VLMModel(cfg.model, PartialState().device, keep_reference=keep_reference)
         self.model = self.vlm.model
+        # generation.backend: vllm -> training rollouts sample through a colocated engine, built at the first rollout
+        self.sampler = VLLMSampler(cfg, self.vlm, media_limits(self.train_items)) \
+            if cfg.generation.backend == "vllm" else None
         self.cache = MediaCache()
         self.accuracy = None if spec is None else AccuracyReward(**spec.args.get("accuracy_args", {}))
         self._bad: dict[str, str] = {}
@@ -272,13 +285,27 @@ class VLMPolicy(Policy):
         ids, masks, truncated, texts, meta, prompts = [], [], [], [], [], []
         ordered_acc, shuffled_acc = [], []
         rollout_tokens = 0
-        completions = generate_groups(self.vlm, [p.inputs for p in prepared], group_size, cfg.generation, generator)
-        for p, out in zip(prepared, completions):
+        shuffled = None  # T-GRPO results of the vLLM backend, by prompt index
+        if self.sampler is not None:  # vLLM: weights pushed if they changed, then one engine call
+            self.sampler.sync_weights(self.model)
+            completions = self.sampler.generate(prepared, group_size, cfg.generation, generator)
+            if self.accuracy is not None:
+                shuffled = vllm_shuffled_accuracy(self.sampler, prepared, shuffled_count, cfg.generation,
+                                                  self.accuracy, generator, cpu_generator)
+            self.sampler.sleep()
+        else:
+            completions = generate_groups(self.vlm, [p.inputs for p in prepared], group_size, cfg.generation,
+                                          generator)
+        for i, (p, out) in enumerate(zip(prepared, completions)):
             rollout_tokens += int(out.mask.sum())
             base = p.meta()
             if self.accuracy is not None and p.videos:
-                acc, tokens = tgrpo.shuffled_accuracy(self.vlm, p.item["prompt"], p.images, p.videos, p.fps, base,
-                                                      shuffled_count, cfg, self.accuracy, generator, cpu_generator)
+                if shuffled is not None:
+                    acc, tokens = shuffled[i]
+                else:
+                    acc, tokens = tgrpo.shuffled_accuracy(self.vlm, p.item["prompt"], p.images, p.videos, p.fps,
+                                                          base, shuffled_count, cfg, self.accuracy, generator,
+                                                          cpu_generator)
                 rollout_tokens += tokens
                 counters["tokens/shuffled"] += tokens
                 base[SHUFFLED_ACC_KEY] = acc
@@ -310,6 +337,8 @@ class VLMPolicy(Policy):
             old[chunk.to(old.device)] = self._logprobs(self.model, data, chunk)
         trained = all_mask & ~all_truncated[:, None] if cfg.generation.mask_truncated else all_mask
         counters.update(self._token_counters(data, all_truncated, rollout_tokens))
+        if self.sampler is not None:  # vllm/* counters and logp/rollout_vs_recompute_max_dev
+            counters.update(self.sampler.rollout_counters(completions, old, all_mask, cfg.generation))
         if self.accuracy is not None:
             counters["tgrpo/video_groups"] = float(len(shuffled_acc))
             if shuffled_acc:
@@ -370,7 +399,8 @@ class VLMPolicy(Policy):
         """One completion per item at ``generation.eval_temperature`` (0: greedy). Items without a ``sample``
         (``mmgrpo sample --prompt``) are text-only; bad items are skipped (or stop the run) as in training.
         Sampling draws from a generator seeded by ``seed``, never from the global RNG: evaluating during training
-        leaves the training rollouts as they would have been, and every evaluation of a policy samples the same."""
+        leaves the training rollouts as they would have been, and every evaluation of a policy samples the same.
+        Always through transformers, also with ``generation.backend: vllm`` (only training rollouts use vLLM)."""
         self.cache.clear()
         counters: dict[str, float] = defaultdict(float)
         generator = torch.Generator(device=self.vlm.device).manual_seed(self.cfg.seed)
