@@ -219,7 +219,7 @@ class Trainer:
         gen = torch.Generator().manual_seed(cfg.seed * 7919 + self.iteration)
         chunks = self.policy.unit_chunks(rollout)
         if g.ratio_level == "sequence" and len(chunks) > 1:
-            raise ValueError("grpo.ratio_level=sequence needs all units of a sample in one backward pass; this "
+            raise ConfigError("grpo.ratio_level=sequence needs all units of a sample in one backward pass; this "
                              "policy splits them into chunks")
         onpolicy_dev = recompute_dev = sampled_logp = None
         if rollout.recompute_old_logp:

@@ -164,6 +164,9 @@ class FlowConfig(BaseConfig):
             if value not in DTYPES:
                 raise ConfigError(f"bad value '{value}' for '{key}': expected one of {', '.join(DTYPES)}")
         check_model_path(self.model.path)
+        if self.grpo.ratio_level == "sequence":
+            raise ConfigError("bad value 'sequence' for 'grpo.ratio_level': the flow pipeline trains its denoising "
+                              "steps in separate backward passes, so its ratios are per step (token)")
         for key in ("sampling.eval_num_steps", "sampling.height", "sampling.width", "sampling.num_frames",
                     "sampling.fps", "data.num_eval"):
             section, name = key.split(".")

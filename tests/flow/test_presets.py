@@ -63,7 +63,8 @@ def test_every_preset_loads_and_builds_its_mode(preset):
 def test_bad_keys_and_values_exit_2_naming_the_key():
     cases = [("tiny_mixgrpo", ["no.such.key=1"], "no.such.key"),
              ("tiny_branchgrpo", ["mode.split_points=[2,4,12]"], "mode.split_points"),
-             ("tiny_branchgrpo", ["mode.branch_variant=mix", "mode.window_size=11"], "mode.window_size")]
+             ("tiny_branchgrpo", ["mode.branch_variant=mix", "mode.window_size=11"], "mode.window_size"),
+             ("tiny_flowgrpo", ["grpo.ratio_level=sequence"], "grpo.ratio_level")]
     # more: test_modes.py
     runs = [(key, mmgrpo("train", f"configs/flow/{preset}.yaml", *args)) for preset, args, key in cases]
     for key, proc in runs:
