@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import warnings
 
 import diffusers
 import pytest
 import torch
+from perturb import perturbed
 
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.flow import adapters as adapters_module
@@ -58,24 +58,6 @@ def adapter_of(tiny_cache):
         return built[kind]
 
     return get
-
-
-@contextlib.contextmanager
-def perturbed(adapter, seed: int = 0, std: float = 0.05):
-    """Add Gaussian noise to every trainable parameter (LoRA B included, so LoRA is no longer a no-op); restore
-    the weights on exit."""
-    params = adapter.trainable_parameters()
-    saved = [p.detach().clone() for p in params]
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in params:
-            p.add_(torch.randn(p.shape, generator=gen) * std)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
 
 
 def inputs(adapter, n: int, seed: int = 0):

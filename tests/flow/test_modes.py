@@ -141,15 +141,6 @@ def test_every_mode_is_registered():
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """The tiny model's calls are too small to gain from a 2nd thread (2 threads spin on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def branch_policy(one_thread):
     from mmgrpo.pipelines.flow.policy import FlowPolicy
 

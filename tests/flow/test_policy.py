@@ -52,14 +52,7 @@ def config(preset, tmp_path, *overrides):
     return load_config(path, [*RANDOM_TINY_SD3, *SMALL, f"output_dir={tmp_path}", *overrides])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's calls are too small to gain from a second thread, and a shared 2-core machine makes
-    two threads spin against each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from perturb import perturbed
 from random_flow import RANDOM_TINY_SD3
 from safetensors.torch import load_file
 from transformers import UMT5Config, UMT5EncoderModel
@@ -57,12 +58,7 @@ def _pipeline(kind: str) -> WanPipeline:
     return WanPipeline(transformer=_transformer(48), vae=vae, expand_timesteps=True, **parts)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -93,23 +89,6 @@ def lora(folders):
         return built[kind]
 
     return get
-
-
-@contextlib.contextmanager
-def perturbed(adapter, seed: int = 0, std: float = 0.05):
-    """Gaussian noise on every trainable parameter (LoRA B too); the weights are restored on exit."""
-    params = adapter.trainable_parameters()
-    saved = [p.detach().clone() for p in params]
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in params:
-            p.add_(torch.randn(p.shape, generator=gen) * std)
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for p, s in zip(params, saved):
-                p.copy_(s)
 
 
 def latents(adapter, n: int, seed: int = 0) -> torch.Tensor:

@@ -15,14 +15,7 @@ from mmgrpo.pipelines.vlm.generation import (
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on the shared 2-core machine, 2 threads stall on each other (about 10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def seeded(seed: int) -> torch.Generator:

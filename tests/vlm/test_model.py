@@ -16,13 +16,7 @@ from mmgrpo.registry import MODEL_ADAPTERS
 KINDS = ["qwen2_vl", "qwen2_5_vl"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on the shared 2-core machine, 2 threads stall on each other (about 10x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def image(h: int, w: int, seed: int = 0) -> torch.Tensor:

@@ -27,13 +27,7 @@ SHORT = ["data.prompt_template='{question}{options}'", "generation.max_new_token
          "logging.progress=false"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, which spin-wait and crawl on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(tmp_path: Path, preset: str = "tiny_image", overrides: tuple[str, ...] = (), varied: bool = False):

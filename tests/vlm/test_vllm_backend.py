@@ -29,12 +29,7 @@ SHORT = ["data.prompt_template='{question}{options}'", "generation.max_new_token
          "train.micro_batch_size=2", "train.prompts_per_step=2", "logging.progress=false"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
