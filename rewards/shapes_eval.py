@@ -37,6 +37,7 @@ import weakref
 import numpy as np
 import torch
 import torch.nn.functional as F
+from scipy import ndimage
 
 from mmgrpo.registry import REWARDS
 from mmgrpo.tasks.shapes import BACKGROUND, COLOURS, RELATIONS, SIZE_RANGE, parse_prompt
@@ -65,41 +66,23 @@ STRAY_MAX = 0.005
 MAX_OBJECTS = 16
 """Components beyond the largest MAX_OBJECTS are counted but not analysed (noise images)."""
 SUB_SCORES = ("count", "colour", "shape", "size", "position", "background")
+EIGHT_CONNECTED = np.pad(np.ones((1, 1, 3, 3), dtype=bool), ((1, 1), (1, 1), (0, 0), (0, 0)))
+"""Connectivity of an object's pixels over (B, K, H, W) colour masks: the 8 neighbours within one image and colour
+(a diagonal step joins an antialiased edge)."""
 
 
 def _pixel_labels(images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, H, W) colour index into COLOURS (-1: none) and (B, H, W) background mask, for (B, 3, H, W) images."""
     palette = torch.tensor(list(COLOURS.values()), dtype=images.dtype)
-    alpha = torch.einsum("bchw,kc->bkhw", images, palette) / (palette**2).sum(1).view(1, -1, 1, 1)
-    residual = (images.unsqueeze(1) - alpha.unsqueeze(2) * palette.view(1, -1, 3, 1, 1)).norm(dim=2)
-    residual = torch.where((alpha >= 0.5) & (residual <= COLOUR_TOL), residual, torch.inf)
-    best, label = residual.min(1)
+    dot = torch.einsum("bchw,kc->bkhw", images, palette)
+    alpha = dot / (palette**2).sum(1).view(1, -1, 1, 1)
+    # squared distance to the line through c: |x|^2 - (x.c)^2 / |c|^2 (no (B, K, 3, H, W) difference tensor)
+    residual_sq = (images.square().sum(1, keepdim=True) - alpha * dot).clamp_min(0)
+    residual_sq = torch.where((alpha >= 0.5) & (residual_sq <= COLOUR_TOL**2), residual_sq, torch.inf)
+    best, label = residual_sq.min(1)
     label = torch.where(torch.isfinite(best), label, -1)
     background = torch.tensor(BACKGROUND, dtype=images.dtype).view(1, 3, 1, 1)
-    return label, (images - background).norm(dim=1) <= BACKGROUND_TOL
-
-
-def _run_max(labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each masked pixel of (N, H, W) gets the max label of its run of consecutive masked pixels along W."""
-    starts = mask & ~F.pad(mask[..., :-1], (1, 0))
-    run = torch.cumsum(starts.flatten(), 0)
-    best = torch.zeros(int(run[-1]) + 1, dtype=labels.dtype).scatter_reduce(0, run, labels.flatten(), "amax")
-    return torch.where(mask, best[run].view_as(labels), 0)
-
-
-def _components(mask: torch.Tensor) -> torch.Tensor:
-    """8-connected component ids of (N, H, W) boolean masks (0 outside), by max-label propagation along rows,
-    columns and diagonals (3x3 max) until nothing changes."""
-    _, h, w = mask.shape
-    labels = torch.where(mask, torch.arange(1, h * w + 1).view(1, h, w), 0)
-    mask_t = mask.transpose(1, 2).contiguous()
-    while True:
-        grown = _run_max(labels, mask)
-        grown = _run_max(grown.transpose(1, 2).contiguous(), mask_t).transpose(1, 2)
-        grown = torch.where(mask, F.max_pool2d(grown.unsqueeze(1).float(), 3, 1, 1).squeeze(1).long(), 0)
-        if torch.equal(grown, labels):
-            return labels
-        labels = grown
+    return label, (images - background).square().sum(1) <= BACKGROUND_TOL**2
 
 
 def shape_features(crop: np.ndarray) -> np.ndarray:
@@ -140,8 +123,8 @@ def detect_objects(images: torch.Tensor) -> tuple[list[list[dict]], torch.Tensor
     images = as_rgb_images(images)
     b, _, h, w = images.shape
     label, background = _pixel_labels(images)
-    masks = torch.stack([label == k for k in range(len(COLOURS))], 1).reshape(-1, h, w)
-    comps = _components(masks).reshape(b, len(COLOURS), h, w).numpy()
+    masks = label.numpy()[:, None] == np.arange(len(COLOURS)).reshape(1, -1, 1, 1)
+    comps, _ = ndimage.label(masks, structure=EIGHT_CONNECTED)  # ids are unique over the whole (B, K, H, W)
     min_area = SPECK_AREA * h * w
     band = max(1, round(EDGE_BAND * w))
     results, stray = [], []
