@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import warnings
@@ -508,18 +509,26 @@ class FlowAdapter:
             uncond = self.unconditional_velocity(latents, sigma, embeds, guidance_scale, transformer=model)
         return guide(v, uncond, guidance_scale)
 
+    @functools.cached_property
+    def _lora_layers(self) -> list[nn.Module]:
+        """The PEFT tuner layers of the trained parts (LoRA only), listed once: toggling them directly skips a
+        walk over every module per reference call."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        return [m for name in self.trained_parts for m in self.parts[name].modules() if isinstance(m, BaseTunerLayer)]
+
     @contextlib.contextmanager
     def _base_weights(self) -> Iterator[None]:
-        """LoRA layers bypassed (the base model) inside the block; trainability flags restored afterwards."""
-        flags = [(p, p.requires_grad) for p in self.transformer.parameters()]
-        lora = [self.parts[name] for name in self.trained_parts]
-        for part in lora:
-            part.disable_adapters()
+        """LoRA layers bypassed (the base model) inside the block; their parameters' trainability flags (which
+        PEFT's toggle resets) restored afterwards."""
+        flags = [(p, p.requires_grad) for layer in self._lora_layers for p in layer.parameters()]
+        for layer in self._lora_layers:
+            layer.enable_adapters(False)
         try:
             yield
         finally:
-            for part in lora:
-                part.enable_adapters()
+            for layer in self._lora_layers:
+                layer.enable_adapters(True)
             for p, flag in flags:
                 p.requires_grad_(flag)
 
