@@ -187,8 +187,9 @@ def _probe_backend(backend: str, device: torch.device, dtype: torch.dtype) -> st
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def guide(v_cond: Tensor, v_uncond: Tensor, guidance_scale: float) -> Tensor:
-    """Classifier-free guidance: ``v_u + guidance_scale * (v_c - v_u)``, fp32 in, fp32 out."""
+def guide(v_cond: Tensor, v_uncond: Tensor, guidance_scale: float | Tensor) -> Tensor:
+    """Classifier-free guidance: ``v_u + guidance_scale * (v_c - v_u)``, fp32 in, fp32 out; a tensor scale
+    broadcasts over the rows (one scale per row, shaped (n, 1, ...))."""
     return v_uncond + guidance_scale * (v_cond - v_uncond)
 
 
@@ -263,6 +264,9 @@ class FlowAdapter:
             for name in self.trained_parts:
                 self.parts[name].enable_gradient_checkpointing()
         self.transformer: nn.Module = self._assemble(self.parts)
+        if cfg.guidance_scale_2 is not None and "transformer_2" not in self.parts:
+            raise ConfigError(f"bad value for 'model.guidance_scale_2': {cfg.guidance_scale_2} ('{cfg.path}' has no "
+                              "low-noise expert; only Wan2.2 A14B uses it)")
         self._cache: OrderedDict[str, dict[str, Tensor]] = OrderedDict()
         self._cache_size = prompt_cache_size
         self._latent_grids: dict[int, tuple[int, int]] = {}
@@ -361,6 +365,11 @@ class FlowAdapter:
     def uses_cfg(self, guidance_scale: float) -> bool:
         """Whether velocity runs a separate unconditional forward (classifier-free guidance)."""
         return guidance_scale > 1.0
+
+    def guided(self, v_cond: Tensor, v_uncond: Tensor, sigma: Tensor, guidance_scale: float) -> Tensor:
+        """:func:`guide` of (n, ...) velocities at noise levels ``sigma`` (n,): one scale for every row here;
+        models whose scale depends on the step override it."""
+        return guide(v_cond, v_uncond, guidance_scale)
 
     def _encode_one(self, prompt: str) -> dict[str, Tensor]:
         """Transformer kwargs for one prompt, each (1, ...), from the pipeline's ``encode_prompt``."""
@@ -490,7 +499,7 @@ class FlowAdapter:
         ``transformer`` defaults to :attr:`transformer`; pass the DDP/FSDP-wrapped module in training so gradients
         synchronise. With CFG, the conditional forward runs in the ambient grad mode and the unconditional one,
         a separate forward over the same n rows, always under ``torch.no_grad()``; then
-        ``v = v_u + guidance_scale * (v_c - v_u)`` in fp32. ``uncond`` is that unconditional velocity from
+        ``v = v_u + guidance_scale * (v_c - v_u)`` in fp32 (:meth:`guided`). ``uncond`` is that unconditional velocity from
         :meth:`unconditional_velocity` of the same weights and inputs: the forward is skipped. ``fused_cfg``
         instead runs both as one forward of 2n rows [cond; uncond] (no grad only; :meth:`fused_cfg_velocities`):
         fewer calls, but a result that differs from the split form by float rounding, so never for a velocity
@@ -501,13 +510,13 @@ class FlowAdapter:
             if torch.is_grad_enabled():
                 raise RuntimeError("velocity(fused_cfg=True) runs without grad; call it under torch.no_grad()")
             v_cond, v_uncond = self.fused_cfg_velocities(latents, sigma, embeds, guidance_scale, model)
-            return guide(v_cond, v_uncond, guidance_scale)
+            return self.guided(v_cond, v_uncond, sigma, guidance_scale)
         v = self._forward(model, x, t, embeds.cond, guidance_scale).float()
         if not cfg:
             return v
         if uncond is None:
             uncond = self.unconditional_velocity(latents, sigma, embeds, guidance_scale, transformer=model)
-        return guide(v, uncond, guidance_scale)
+        return self.guided(v, uncond, sigma, guidance_scale)
 
     @functools.cached_property
     def _lora_layers(self) -> list[nn.Module]:
@@ -857,8 +866,9 @@ class WanAdapter(FlowAdapter):
     C and s come from the checkpoint: 16 channels at 8x (Wan2.1, Wan2.2 A14B), 48 at 16x (Wan2.2 TI2V-5B's VAE).
 
     - Wan2.2 A14B (``transformer_2`` and ``boundary_ratio`` in the pipeline config): :attr:`transformer` is a
-      :class:`WanExperts` of both experts; ``guidance_scale`` applies to both (the pipeline's default when
-      ``guidance_scale_2`` is None). A ``transformer_2`` without ``boundary_ratio`` is unused, as in the pipeline.
+      :class:`WanExperts` of both experts; ``guidance_scale`` applies to the high-noise expert's steps and
+      ``model.guidance_scale_2`` (None: ``guidance_scale``, the pipeline's default) to the low-noise expert's,
+      chosen per row as the expert is. A ``transformer_2`` without ``boundary_ratio`` is unused, as in the pipeline.
     - Wan2.2 TI2V-5B (``expand_timesteps``): every patch token gets its row's timestep, (n, tokens), as the
       pipeline builds it for text-to-video (an all-ones mask).
 
@@ -910,6 +920,15 @@ class WanAdapter(FlowAdapter):
             return parts["transformer"]
         boundary = self.pipe.config.boundary_ratio * self.pipe.scheduler.config.num_train_timesteps
         return WanExperts(parts["transformer"], parts["transformer_2"], boundary)
+
+    def guided(self, v_cond: Tensor, v_uncond: Tensor, sigma: Tensor, guidance_scale: float) -> Tensor:
+        scale_2 = self.cfg.guidance_scale_2
+        if scale_2 is None:
+            return guide(v_cond, v_uncond, guidance_scale)
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=v_cond.device).reshape(-1).expand(len(v_cond))
+        high = self.transformer.high_noise(self.timestep(sigma))
+        scale = torch.where(high, guidance_scale, scale_2).view(-1, *[1] * (v_cond.dim() - 1))
+        return guide(v_cond, v_uncond, scale)
 
     def _split_trained(self, model: nn.Module, state_dict: dict[str, Tensor] | None
                        ) -> list[tuple[str, nn.Module, dict[str, Tensor] | None]]:

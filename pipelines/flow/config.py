@@ -39,6 +39,10 @@ class FlowModelConfig:
     train_experts: str = "both"
     """Wan2.2 A14B (two experts): which train, both, high (``transformer``, the high-noise expert) or low
     (``transformer_2``); the other keeps its base weights. Ignored by single-transformer models."""
+    guidance_scale_2: float | None = None
+    """Wan2.2 A14B (two experts): the CFG scale of the steps the low-noise expert (``transformer_2``) runs, as
+    ``WanPipeline(guidance_scale_2=...)``; ``sampling.guidance_scale`` is the high-noise expert's. None uses
+    ``sampling.guidance_scale`` for both (the pipeline's default). An error for any other model."""
     gradient_checkpointing: bool = False
     """Recompute transformer activations in backward to save memory."""
     attention_backend: str = "auto"

@@ -39,7 +39,6 @@ from mmgrpo.registry import MODEL_ADAPTERS, RegistryError
 from mmgrpo.rewards import RewardBatch
 
 from . import kernels, media, schedules, tree
-from .adapters import guide
 from .config import FlowConfig
 from .data import prompt_datasets
 from .modes import LinearPlan, TreePlan, build_mode, sde_kernel
@@ -134,7 +133,7 @@ class FlowPolicy(Policy):
             return self._velocity(x, sigma, embeds, replayed), None
         if s.fused_cfg and not replayed:
             v_cond, uncond = self.adapter.fused_cfg_velocities(x, sigma, embeds, s.guidance_scale, self.model)
-            return guide(v_cond, uncond, s.guidance_scale), uncond
+            return self.adapter.guided(v_cond, uncond, sigma, s.guidance_scale), uncond
         uncond = self.adapter.unconditional_velocity(x, sigma, embeds, s.guidance_scale, self.model)
         return self._velocity(x, sigma, embeds, replayed, uncond=uncond), uncond
 

@@ -150,6 +150,36 @@ def test_experts_switch_at_the_boundary_as_in_the_stock_pipeline(lora):
     assert ad.transformer.high_noise(torch.tensor([800.0, 799.99])).tolist() == [True, False]  # t >= boundary
 
 
+def test_guidance_scale_2_guides_the_low_noise_expert_steps_as_the_stock_pipeline(folders, lora):
+    g2 = 2.0
+    ad = load_adapter(cfg_of(folders["a14b"], guidance_scale_2=g2))
+    call = {"prompt": "a red cube", "num_inference_steps": 4, "height": SIZE, "width": SIZE, "num_frames": FRAMES,
+            "guidance_scale": G, "guidance_scale_2": g2, "max_sequence_length": ad.max_sequence_length,
+            "output_type": "latent"}
+    with recording(ad.parts) as stock:
+        ad.pipe(**call, generator=torch.Generator().manual_seed(7))
+    embeds = ad.encode(["a red cube"], "", G)
+    scales = []
+    with torch.no_grad():
+        for step in range(4):
+            (_, x, t, v_c), (_, _, _, v_u) = stock[2 * step], stock[2 * step + 1]
+            v = ad.velocity(x.float(), t.float() / 1000, embeds, G)
+            scale = G if bool(ad.transformer.high_noise(t)) else g2
+            torch.testing.assert_close(v, v_u + scale * (v_c - v_u), rtol=1e-4, atol=1e-4)
+            scales.append(scale)
+    assert scales == [G, G, g2, g2]
+
+    x, e = latents(ad, 2), ad.encode(["mixed a", "mixed b"], "", G)  # per row in a mixed batch (a DanceGRPO replay)
+    sigma = torch.tensor([0.9, 0.5])
+    with torch.no_grad():
+        v = ad.velocity(x, sigma, e, G)
+        v_u = ad.unconditional_velocity(x, sigma, e, G)
+        v_c = ad.velocity(x, sigma, e, 1.0)
+    torch.testing.assert_close(v, v_u + torch.tensor([G, g2]).view(-1, 1, 1, 1, 1) * (v_c - v_u))
+    with pytest.raises(ConfigError, match="'model.guidance_scale_2'"):
+        load_adapter(cfg_of(folders["ti2v"], guidance_scale_2=g2))  # no low-noise expert
+
+
 def test_a_mixed_batch_takes_each_row_from_its_own_expert_at_the_full_batch_size(lora):
     ad = lora("a14b")
     x, e = latents(ad, 2), ad.encode(["mixed a", "mixed b"], "", 1.0)
