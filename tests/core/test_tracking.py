@@ -1,0 +1,48 @@
+"""Run logging beyond metrics.jsonl: tensorboard event files and an offline wandb run (both in the dev extra)."""
+
+import pytest
+from toy_bandit import ToyConfig
+
+from mmgrpo.config import load_config
+from mmgrpo.tracking import MetricsLog, read_metrics
+from mmgrpo.trainer import Trainer
+
+ROWS = [{"step": 1, "loss": 0.5, "reward/mean": 0.25, "eval/accuracy": float("nan")},
+        {"step": 2, "loss": 0.25, "reward/mean": 0.5}]
+
+
+def test_tensorboard_gets_every_scalar_of_a_run(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (the dev extra installs it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = load_config(None, [f"output_dir={tmp_path}", "logging.progress=false", "logging.plot_every=0",
+                             "logging.tensorboard=true", "train.max_steps=3"], schema=ToyConfig)
+    Trainer(cfg).train()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3
+    for key in ("reward/mean", "loss", "ratio/onpolicy_max_dev", "time/step_s"):
+        logged = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in logged] == [1, 2, 3]
+        assert [v for _, v in logged] == pytest.approx([r[key] for r in rows], rel=1e-6, abs=1e-12)
+
+
+def test_wandb_offline_run_gets_config_steps_and_summary(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (the dev extra installs it)")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account or network: the run is written to disk
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    log = MetricsLog(tmp_path, {"train": {"max_steps": 2}}, tensorboard=False, wandb=True, wandb_project="t",
+                     resume_step=None)
+    run = log.wandb
+    try:
+        for row in ROWS:
+            log.log(row)
+        assert run.config["train"]["max_steps"] == 2 and run.project == "t" and run.step == 2
+        # wandb holds a step's values until the next step: step 1's are committed, at wandb's own step axis
+        assert run.summary["loss"] == 0.5 and run.summary["reward/mean"] == 0.25 and "step" not in run.summary.keys()
+    finally:
+        log.close()
+    files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1 and files[0].stat().st_size > 0
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
