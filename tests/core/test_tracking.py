@@ -40,7 +40,8 @@ def test_wandb_offline_run_gets_config_steps_and_summary(tmp_path, monkeypatch):
             log.log(row)
         assert run.config["train"]["max_steps"] == 2 and run.project == "t" and run.step == 2
         # wandb holds a step's values until the next step: step 1's are committed, at wandb's own step axis
-        assert run.summary["loss"] == 0.5 and run.summary["reward/mean"] == 0.25 and "step" not in run.summary.keys()
+        summary = {key: run.summary[key] for key in run.summary.keys()}  # noqa: SIM118 (a wandb Summary, not a dict)
+        assert summary["loss"] == 0.5 and summary["reward/mean"] == 0.25 and "step" not in summary
     finally:
         log.close()
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
