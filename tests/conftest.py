@@ -27,3 +27,31 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def train_on_two_processes(support_env, tmp_path):
+    """``train_on_two_processes(config, *overrides) -> dict``: trains ``config`` under ``accelerate launch`` with two
+    gloo DDP processes (configs/accelerate/cpu_2proc.yaml) through tests/support/pipeline_ddp_check.py, and returns
+    its report (num_processes, param_rank_diff, param_change, onpolicy_max_dev)."""
+    import json
+    import shutil
+    import subprocess
+
+    if shutil.which("accelerate") is None:
+        pytest.skip("the accelerate launcher is not on PATH")
+    launcher = SUPPORT.parent.parent / "configs" / "accelerate" / "cpu_2proc.yaml"
+    env = {**support_env, "OMP_NUM_THREADS": "1"}
+
+    def run(config, *overrides):
+        out = tmp_path / "ddp.json"
+        cmd = ["accelerate", "launch", "--config_file", str(launcher), "--main_process_port", "29523",
+               str(SUPPORT / "pipeline_ddp_check.py"), str(out), str(config), f"output_dir={tmp_path / 'run'}",
+               "logging.progress=false", "logging.plot_every=0", "train.eval_every=0", "train.save_every=0",
+               *overrides]
+        proc = subprocess.run(cmd, env=env, cwd=SUPPORT.parent.parent, capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(out.read_text())
+
+    return run

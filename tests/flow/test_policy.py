@@ -313,3 +313,14 @@ def test_prompt_sources(tmp_path):
 def test_unknown_model_type_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="'model.type'"):
         FlowPolicy(config("tiny_flowgrpo", tmp_path, "model.type=sd9"))
+
+
+def test_two_processes_train_a_tree_in_sync(train_on_two_processes):
+    """BranchGRPO (tree rollouts, old log-probs recomputed in training chunking) on the tiny SD3 under two gloo DDP
+    processes: one prompt group per process, exactly on-policy, and identical LoRA weights afterwards."""
+    report = train_on_two_processes(ROOT / "configs" / "flow" / "tiny_branchgrpo.yaml", *RANDOM_TINY_SD3,
+                                    "sampling.num_steps=4", "mode.split_points=[0,2]", "mode.depth_prune_window=1",
+                                    "train.group_size=4", "train.micro_batch_size=2", "train.prompts_per_step=2",
+                                    "train.max_steps=2", "optim.lr=1e-2")
+    assert report["num_processes"] == 2 and report["onpolicy_max_dev"] <= 1e-6
+    assert report["param_rank_diff"] == 0.0 and report["param_change"] > 0

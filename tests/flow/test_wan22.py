@@ -371,3 +371,18 @@ def test_two_training_steps_are_exactly_on_policy_and_train_every_expert(kind, p
         moved = [not torch.equal(p, initial[n]) for n, p in policy.model.named_parameters()
                  if n in initial and (n.startswith(f"{name}.") or kind == "ti2v")]
         assert moved and any(moved), name
+
+
+def test_two_processes_train_both_experts_in_sync(folders, train_on_two_processes):
+    """DanceGRPO on the two-expert model under two gloo DDP processes: each process's replays mix experts
+    differently (per-sample trained steps), and the idle expert's zero-times term keeps every LoRA weight in every
+    graph, so DDP reduces the same parameters on both; low-noise steps guided by model.guidance_scale_2."""
+    report = train_on_two_processes(
+        ROOT / "configs" / "flow" / "tiny_dancegrpo.yaml", *RANDOM_TINY_SD3, "model.type=wan",
+        f"model.path={folders['a14b']}", "model.lora_rank=4", "model.lora_alpha=8", "model.guidance_scale_2=2.0",
+        f"sampling.num_frames={FRAMES}", "sampling.num_steps=4", f"sampling.guidance_scale={G}",
+        "train.prompts_per_step=2", "train.group_size=4", "train.micro_batch_size=2", "train.max_steps=2",
+        "optim.lr=1e-2", "rewards=[{name: video_frames, weight: 1.0, args: {image_reward: jpeg_compressibility, "
+        "frames: 2}}]")
+    assert report["num_processes"] == 2 and report["onpolicy_max_dev"] <= 1e-6
+    assert report["param_rank_diff"] == 0.0 and report["param_change"] > 0

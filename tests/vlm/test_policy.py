@@ -398,3 +398,12 @@ def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
     # checked on the configured value: on CPU flash_attention_2 would fall back to sdpa and hide the clash
     with pytest.raises(ConfigError, match="model.attn_implementation"):
         VLMPolicy(config(tmp_path, overrides=("model.attn_implementation=flash_attention_2", "prefix_grouper=true")))
+
+
+def test_two_processes_train_tgrpo_with_the_prefix_grouper_in_sync(train_on_two_processes):
+    """The shipped T-GRPO preset (video, shuffled-frame rollouts, temporal bonus per group, full fine-tune with a
+    frozen reference) with the Prefix Grouper under two gloo DDP processes: exactly on-policy, identical weights."""
+    report = train_on_two_processes(ROOT / "configs" / "vlm" / "tiny_video_tgrpo.yaml", "train.max_steps=2",
+                                    "prefix_grouper=true", "generation.max_new_tokens=16")
+    assert report["num_processes"] == 2 and report["onpolicy_max_dev"] <= 1e-5
+    assert report["param_rank_diff"] == 0.0 and report["param_change"] > 0
