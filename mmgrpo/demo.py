@@ -79,7 +79,7 @@ DEMOS = {
     "flow": DemoSpec(preset="configs/flow/demo_shapes.yaml", asset="assets/tiny-sd3-shapes", task="ShapesT2I", metric="shapes_eval/score",
                      guard="diversity", stop_on_guard=True, samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
-                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=100, num_val=192, train_minutes=12.0,
+                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=100, num_val=192, train_minutes=13.0,
                     val_file="assets/data/shapes_qa/val.jsonl"),
 }
 

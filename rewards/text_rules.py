@@ -6,6 +6,7 @@ scores 0: matching the ground truth anywhere in the text would pay out for empty
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import re
@@ -105,6 +106,20 @@ for line in sys.stdin:
 """
 _math_worker: subprocess.Popen | None = None
 _math_lock = threading.Lock()
+
+
+@atexit.register
+def _stop_math_worker() -> None:
+    """End the worker with its parent: closing its stdin ends its loop (killed if it is stuck in a comparison)."""
+    worker = _math_worker
+    if worker is not None and worker.poll() is None:
+        worker.stdin.close()
+        try:
+            worker.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+        worker.stdout.close()
 
 
 def math_equal(pred: str, gt: str) -> bool:
