@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -131,12 +132,18 @@ def cmd_serve_rewards(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     names = ", ".join(server.zoo.names)
-    print(f"serving rewards [{names}] on {server.url} (POST /v1/score, GET /health); Ctrl-C stops", flush=True)
+    print(f"serving rewards [{names}] on {server.url} (POST /v1/score, GET /health); Ctrl-C or SIGTERM stops",
+          flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop gets the same clean shutdown as Ctrl-C
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         print("stopped", file=sys.stderr)
     return 0
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

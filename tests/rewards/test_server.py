@@ -386,28 +386,27 @@ def test_shipped_server_configs_load():
         assert cfg.rewards and cfg.server.host == "127.0.0.1", path
 
 
-def test_cli_serves_until_interrupted(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_cli_serves_until_stopped(tmp_path, stop):
+    """Ctrl-C (SIGINT) or a service manager's SIGTERM stops the server cleanly (exit 0). The child gets the default
+    SIGINT handling: a shell's background job (``cmd &``, CI runners) starts with SIGINT ignored, and so would it."""
     config = tmp_path / "serve.yaml"
     config.write_text("rewards:\n  - name: sharpness\n")
     env = {k: v for k, v in os.environ.items() if k != "MMGRPO_REWARD_TOKEN"}
-    # -X faulthandler: if the server does not stop, SIGABRT makes it print every thread's stack for the failure
-    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "mmgrpo", "serve-rewards", str(config),
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=ROOT)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # exec resets a handler, not SIG_IGN
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "mmgrpo", "serve-rewards", str(config), "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         line = proc.stdout.readline()  # printed once the socket is bound
         assert line.startswith("serving rewards [sharpness] on http://127.0.0.1:"), line + proc.stderr.read()
         url = line.split(" on ")[1].split()[0]
         assert RemoteReward(url, retries=0)(image_batch(2)).shape == (2,)
-        proc.send_signal(signal.SIGINT)
-        try:
-            _, err = proc.communicate(timeout=60)  # drains stderr too: a full pipe would block the server's exit
-        except subprocess.TimeoutExpired:
-            status = Path(f"/proc/{proc.pid}/status").read_text() if Path(f"/proc/{proc.pid}/status").exists() else ""
-            signals = " ".join(line for line in status.splitlines() if line.startswith(("State", "Sig", "Shd")))
-            proc.send_signal(signal.SIGABRT)
-            _, err = proc.communicate(timeout=30)
-            pytest.fail(f"serve-rewards ignored SIGINT for 60 s ({signals}); its threads:\n{err[-6000:]}")
+        proc.send_signal(stop)
+        _, err = proc.communicate(timeout=60)  # drains stderr too: a full pipe would block the server's exit
+        assert "stopped" in err, err[-3000:]
         assert proc.returncode == 0, err[-3000:]
     finally:
         if proc.poll() is None:
