@@ -82,6 +82,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def inline_yaml(value: Any) -> str:
+    """``value`` as one line of YAML flow style (``null``, ``[1, 2]``, ``{name: x}``)."""
+    import yaml
+
+    text = yaml.safe_dump(value, default_flow_style=True, width=2**31, sort_keys=False).strip()
+    return text.removesuffix("...").strip()
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Column, Table
+
+    from mmgrpo.config import key_docs, to_dict
+
+    cfg = load_config(args.config, args.overrides)
+    values = to_dict(cfg)
+    docs = key_docs(type(cfg))
+    needle = (args.grep or "").lower()
+    table = Table(Column("key", no_wrap=True), Column("value", overflow="fold"), Column("what it is", ratio=1),
+                  title=f"{args.config} ({cfg.pipeline} pipeline)")
+    for key, doc in docs.items():
+        if needle and needle not in key.lower() and needle not in doc.lower():
+            continue
+        value: Any = values
+        for part in key.split("."):
+            value = value[part]
+        is_section = any(k.startswith(key + ".") for k in docs)
+        table.add_row(f"[bold]{key}[/]" if is_section else key, "" if is_section else inline_yaml(value), doc)
+    Console().print(table)
+    return 0
+
+
 def cmd_sample(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     policy = _policy_and_weights(cfg)
@@ -180,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="prompt to sample (repeatable); default: held-out prompts")
     p.add_argument("--num", type=int, default=8, help="held-out prompts to sample when no --prompt is given")
 
+    p = with_config("config", "show every option of a preset: its resolved value and what it does", cmd_config)
+    p.add_argument("--grep", help="only the options whose key or description contains this text")
+
     p = sub.add_parser("rewards", help="list registered rewards with their kind and modality")
     p.set_defaults(fn=cmd_rewards)
 
@@ -201,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train the tiny shipped models on CPU and report before/after")
     p.add_argument("which", nargs="?", choices=("flow", "vlm"), default="flow")
     p.add_argument("--output-dir", help="default runs/demo-flow or runs/demo-vlm")
-    p.add_argument("--minutes", type=float, help="training-time budget (default: the demo's own, about 9)")
+    p.add_argument("--minutes", type=float, help="training-time budget (default: the demo's own: 11 for flow, 13 for "
+                   "vlm)")
     p.set_defaults(fn=cmd_demo)
     return parser
 

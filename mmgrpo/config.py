@@ -190,6 +190,27 @@ def valid_keys(schema: type, prefix: str = "") -> dict[str, bool]:
     return keys
 
 
+def key_docs(schema: type, prefix: str = "") -> dict[str, str]:
+    """All dotted keys of a config dataclass -> the docstring written under the field (from the nearest class of
+    the MRO that documents it; "" when none does). A section key (a nested dataclass) comes before its keys, and
+    without a docstring of its own it takes its class docstring's first line."""
+    import docstring_parser
+
+    own: dict[str, str] = {}
+    for cls in reversed([c for c in schema.__mro__ if dataclasses.is_dataclass(c)]):
+        own.update({p.arg_name: " ".join((p.description or "").split())
+                    for p in docstring_parser.parse_from_object(cls).params})
+    hints = typing.get_type_hints(schema)
+    docs: dict[str, str] = {}
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        docs[key] = own.get(f.name, "")
+        if dataclasses.is_dataclass(hints[f.name]):
+            docs[key] = docs[key] or docstring_parser.parse_from_object(hints[f.name]).short_description or ""
+            docs.update(key_docs(hints[f.name], key + "."))
+    return docs
+
+
 def _closest(key: str, candidates: list[str]) -> str:
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
     return f" (closest valid key: '{close[0]}')" if close else ""
@@ -370,6 +391,7 @@ __all__ = [
     "OptimConfig",
     "RewardSpec",
     "TrainConfig",
+    "key_docs",
     "load_config",
     "read_preset",
     "to_dict",

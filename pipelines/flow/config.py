@@ -35,7 +35,7 @@ class FlowModelConfig:
     """Module-name suffixes that get LoRA adapters."""
     max_sequence_length: int | None = None
     """T5/UMT5 tokens per prompt; None keeps the pipeline's default (SD3 256, FLUX and Wan 512). Shorter is
-    cheaper: the tiny presets use 32, since their images have only a few tokens."""
+    cheaper: the tiny presets use 10, enough for every ShapesT2I prompt."""
     train_experts: str = "both"
     """Wan2.2 A14B (two experts): which train, both, high (``transformer``, the high-noise expert) or low
     (``transformer_2``); the other keeps its base weights. Ignored by single-transformer models."""

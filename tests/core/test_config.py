@@ -2,11 +2,15 @@
 
 import subprocess
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
 
-from mmgrpo.config import BaseConfig, ConfigError, load_config, read_preset, to_yaml, valid_keys
+from mmgrpo.cli import main
+from mmgrpo.config import BaseConfig, ConfigError, key_docs, load_config, read_preset, to_yaml, valid_keys
+from mmgrpo.registry import PIPELINES
 
 
 def write(path, data):
@@ -113,3 +117,47 @@ def test_override_values_string_fields_verbatim_lists_by_index(tmp_path):
         load_config(preset, ["rewards.5.weight=1"])
     with pytest.raises(ConfigError, match="'optim.lr'"):
         load_config(preset, ["optim.lr=[1, 2"])
+
+
+@dataclass
+class _Parent:
+    """A section."""
+
+    size: int = 1
+    """Documented on the parent."""
+
+
+@dataclass
+class _Child(_Parent):
+    """A subclass that adds a field."""
+
+    section: _Parent = None
+    name: str = "x"
+    """Documented on the child."""
+
+
+def test_key_docs_reads_field_docstrings_through_the_mro_and_sections():
+    docs = key_docs(_Child)
+    assert list(docs) == ["size", "section", "section.size", "name"]
+    assert docs["size"] == docs["section.size"] == "Documented on the parent."
+    assert docs["name"] == "Documented on the child."
+    assert docs["section"] == "A section."  # no docstring of its own: the section class's first line
+
+
+@pytest.mark.parametrize("pipeline", PIPELINES.names())
+def test_every_option_of_every_pipeline_is_documented(pipeline):
+    schema = PIPELINES.get(pipeline).config_class
+    docs = key_docs(schema)
+    assert list(docs) == list(valid_keys(schema))
+    assert [key for key, doc in docs.items() if not doc] == []
+
+
+def test_config_command_shows_resolved_values_with_their_docs(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    preset = Path(__file__).resolve().parents[2] / "configs" / "flow" / "tiny_flowgrpo.yaml"
+    assert main(["config", str(preset), "train.max_steps=7", "--grep", "max_steps"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "train.max_steps" in line)
+    assert " 7 " in row and "Optimiser steps to run in total" in row
+    assert "optim.lr" not in out  # --grep keeps only the matching options
+    assert main(["config", str(preset), "no.such.key=1"]) == 2
