@@ -93,15 +93,23 @@ def inline_yaml(value: Any) -> str:
 def cmd_config(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Column, Table
+    from rich.text import Text
 
     from mmgrpo.config import key_docs, to_dict
+    from mmgrpo.registry import PIPELINES
 
-    cfg = load_config(args.config, args.overrides)
-    values = to_dict(cfg)
-    docs = key_docs(type(cfg))
+    if not Path(args.config).exists() and args.config in PIPELINES:  # a pipeline name: its defaults
+        if args.overrides:
+            raise ConfigError("overrides apply to a preset file, not to a pipeline's defaults")
+        schema = PIPELINES.get(args.config).config_class
+        values, title = to_dict(schema), f"{args.config} pipeline defaults (??? = required)"
+    else:
+        cfg = load_config(args.config, args.overrides)
+        schema, values, title = type(cfg), to_dict(cfg), f"{args.config} ({cfg.pipeline} pipeline)"
+    docs = key_docs(schema)
     needle = (args.grep or "").lower()
     table = Table(Column("key", no_wrap=True), Column("value", overflow="fold"), Column("what it is", ratio=1),
-                  title=f"{args.config} ({cfg.pipeline} pipeline)")
+                  title=title)
     for key, doc in docs.items():
         if needle and needle not in key.lower() and needle not in doc.lower():
             continue
@@ -109,7 +117,8 @@ def cmd_config(args: argparse.Namespace) -> int:
         for part in key.split("."):
             value = value[part]
         is_section = any(k.startswith(key + ".") for k in docs)
-        table.add_row(f"[bold]{key}[/]" if is_section else key, "" if is_section else inline_yaml(value), doc)
+        table.add_row(Text(key, style="bold" if is_section else ""), Text("" if is_section else inline_yaml(value)),
+                      Text(doc))  # Text: brackets in values and docs are not markup
     Console().print(table)
     return 0
 
@@ -212,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="prompt to sample (repeatable); default: held-out prompts")
     p.add_argument("--num", type=int, default=8, help="held-out prompts to sample when no --prompt is given")
 
-    p = with_config("config", "show every option of a preset: its resolved value and what it does", cmd_config)
+    p = with_config("config", "show every option of a preset (or a pipeline's defaults: 'mmgrpo config flow'): "
+                    "its resolved value and what it does", cmd_config)
     p.add_argument("--grep", help="only the options whose key or description contains this text")
 
     p = sub.add_parser("rewards", help="list registered rewards with their kind and modality")

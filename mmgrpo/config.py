@@ -380,6 +380,7 @@ def to_yaml(cfg: Any) -> str:
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config object (or a config class: its defaults, ``???`` for a required key) as nested dicts and lists."""
     return OmegaConf.to_container(OmegaConf.structured(cfg))
 
 

@@ -161,3 +161,8 @@ def test_config_command_shows_resolved_values_with_their_docs(capsys, monkeypatc
     assert " 7 " in row and "Optimiser steps to run in total" in row
     assert "optim.lr" not in out  # --grep keeps only the matching options
     assert main(["config", str(preset), "no.such.key=1"]) == 2
+    capsys.readouterr()
+    assert main(["config", "vlm", "--grep", "media_types"]) == 0  # a pipeline name: its defaults
+    row = next(line for line in capsys.readouterr().out.splitlines() if "data.media_types" in line)
+    assert "[image, video, text]" in row  # a list value is shown, not taken for markup
+    assert main(["config", "vlm", "seed=1"]) == 2
