@@ -111,7 +111,7 @@ def no_signal_groups(rewards: torch.Tensor, weights: torch.Tensor | Sequence[flo
     does not vary (:func:`zero_std_groups`); with ``gdpo`` each reward is normalised on its own, so only when no
     reward with a non-zero weight varies within the group."""
     if aggregation == "weighted_sum":
-        return zero_std_groups(weighted_reward(rewards, weights), group, tol)
+        return zero_std_groups(weighted_reward(rewards, weights, group), group, tol)
     if aggregation != "gdpo":
         raise ValueError(f"unknown reward aggregation '{aggregation}' (valid: weighted_sum, gdpo)")
     w = torch.as_tensor(weights, dtype=torch.float64).tolist()
@@ -122,13 +122,26 @@ def no_signal_groups(rewards: torch.Tensor, weights: torch.Tensor | Sequence[flo
     return empty
 
 
-def weighted_reward(rewards: torch.Tensor, weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
-    """(N, R) rewards, (R,) weights -> (N,) float64 sum of w_r * rewards[:, r] over the non-NaN kinds.
+def weighted_reward(rewards: torch.Tensor, weights: torch.Tensor | Sequence[float],
+                    group: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, R) rewards, (R,) weights -> (N,) float64 sum of w_r * rewards[:, r].
 
-    A sample whose R rewards are all NaN gets NaN (it then takes part in no statistic)."""
+    A NaN reward does not apply to its sample. With ``group`` (N,) it is replaced by that reward's mean over the
+    sample's group, so it moves the sum by the same amount as for the rest of the group and gives no signal; a
+    reward that applies to no member of the group, and any NaN without ``group``, is left out of the sum. A sample
+    whose R rewards are all NaN gets NaN (it then takes part in no statistic)."""
     r = rewards.double()
+    if group is not None:
+        columns = []
+        for column in r.unbind(dim=1):
+            index, count, mean, _ = group_stats(column, group)
+            fill = torch.where(count > 0, mean, float("nan"))[index]
+            columns.append(torch.where(torch.isnan(column), fill, column))
+        filled = torch.stack(columns, dim=1) if columns else r
+    else:
+        filled = r
     w = torch.as_tensor(weights, dtype=torch.float64, device=r.device)
-    total = (w * r).nansum(dim=1)
+    total = (w * filled).nansum(dim=1)
     return torch.where(torch.isnan(r).all(dim=1), float("nan"), total)
 
 
@@ -142,14 +155,14 @@ def combine_rewards(
 ) -> torch.Tensor:
     """Advantages (N,) float64 from (N, R) rewards of R kinds with (R,) weights.
 
-    - ``weighted_sum``: the estimator applied to :func:`weighted_reward`.
+    - ``weighted_sum``: the estimator applied to :func:`weighted_reward` (a NaN reward takes its group's mean).
     - ``gdpo``: the estimator applied to each reward kind within groups, then the weighted sum of those advantages
       (a NaN reward already has advantage 0, so it contributes nothing).
 
     ``estimator`` is a name in ``ADVANTAGES`` or a ``module:attr`` path."""
     fn = ADVANTAGES.get(estimator)
     if aggregation == "weighted_sum":
-        return fn(weighted_reward(rewards, weights), group, eps)
+        return fn(weighted_reward(rewards, weights, group), group, eps)
     if aggregation == "gdpo":
         per_kind = torch.stack([fn(column, group, eps) for column in rewards.unbind(dim=1)], dim=1)
         w = torch.as_tensor(weights, dtype=torch.float64, device=per_kind.device)

@@ -127,6 +127,21 @@ def test_weighted_reward():
     out = weighted_reward(r, [0.5, 2.0])
     close(out[[0, 1, 3]], [4.5, 6.0, 2.0])
     assert math.isnan(out[2])
+    # with groups a NaN takes its group's mean of that reward: group 0 = rows 0, 1 (reward 0's mean is 1), group
+    # 1 = rows 2, 3 (reward 1 applies to neither, so it is left out of both sums)
+    grouped = weighted_reward(r, [0.5, 2.0], t([0, 0, 1, 1], torch.int64))
+    close(grouped[[0, 1, 3]], [4.5, 0.5 * 1.0 + 6.0, 2.0])
+    assert math.isnan(grouped[2])
+
+
+def test_a_reward_that_does_not_apply_gives_no_advantage_in_a_weighted_sum():
+    # rows 1-3 are ranked by reward 1 alone; row 0's reward 1 does not apply. Scoring it 0 (nansum) would give it
+    # the lowest advantage; taking the group's mean, it sits where reward 0 alone puts it (level with the mean).
+    r = t([[1.0, NAN], [1.0, 0.9], [1.0, 0.8], [1.0, 0.7]])
+    g = t([0, 0, 0, 0], torch.int64)
+    adv = combine_rewards(r, [1.0, 1.0], g, "weighted_sum", "group_zscore", 0.0)
+    # sums 1.8 (row 0: reward 1's mean), 1.9, 1.8, 1.7: mean 1.8, population std 0.1 / sqrt(2)
+    close(adv, [0.0, math.sqrt(2), 0.0, -math.sqrt(2)], atol=1e-9)
 
 
 def test_gdpo_separates_what_the_weighted_sum_collapses():
@@ -147,8 +162,8 @@ def test_gdpo_weights_and_nan_columns():
     g = t([4, 4, 9, 9], torch.int64)
     # column 0, group_mean: [-1, 1, 0, 0]; column 1: [0, 0, 0, 0] (group 4 has one valid, group 9 one valid)
     close(combine_rewards(r, [2.0, 10.0], g, "gdpo", "group_mean", 0.0), [-2.0, 2.0, 0.0, 0.0])
-    # weighted sum: [2, 26, 70, NaN] -> group means 14 and 70
-    close(combine_rewards(r, [2.0, 10.0], g, "weighted_sum", "group_mean", 0.0), [-12.0, 12.0, 0.0, 0.0])
+    # weighted sum: row 0's NaN takes group 4's mean of column 1 (2) -> [22, 26, 70, NaN] -> group means 24, 70
+    close(combine_rewards(r, [2.0, 10.0], g, "weighted_sum", "group_mean", 0.0), [-2.0, 2.0, 0.0, 0.0])
 
 
 def test_combine_rewards_accepts_import_path_and_rejects_unknown_aggregation():
