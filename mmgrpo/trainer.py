@@ -144,16 +144,17 @@ class Trainer:
         return self.accelerator.gather(t.to(self.accelerator.device)).cpu()
 
     def compute_advantages(self, rollout: Rollout, main: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Gather the (B, R) raw rewards and group ids of all processes, compute advantages on whole groups, and
+        """Gather the (B, R) rewards and group ids of all processes, standardise the columns whose spec asks for it
+        (over the whole batch), compute advantages on whole groups, and
         return this process's (N, U) unit advantages plus statistics. Groups never straddle processes, but global
         statistics (batch std, logging) need everyone's rewards."""
         g = self.cfg.grpo
-        all_main = self._gather(main)
+        all_main = self.rewards.standardize(self._gather(main))
         all_group = self._gather(rollout.group)
         weights = self.rewards.weights
         adv = combine_rewards(all_main, weights, all_group, self.cfg.reward_aggregation, g.advantage, g.adv_eps)
         adv = clip_advantages(adv, g.adv_clip)
-        combined = weighted_reward(all_main, weights)
+        combined = weighted_reward(all_main, weights, all_group)
         stats = advantage_stats(adv, combined, all_group)
         keep = torch.ones_like(adv, dtype=torch.bool)
         if g.mask_zero_std_groups:

@@ -34,7 +34,8 @@ Wire format (version 2; JSON, with an optional binary part for arrays):
       {"names": [rewards run], "kinds": {name: "pointwise" | "groupwise"}, "main": {name: [B]},
        "scores": {"name" or "name/sub": [B]}, "seconds": {name: float}}
 
-  ``main`` is the score that enters the combination (after the config's ``clip`` / ``standardize``), ``scores``
+  ``main`` is the score that enters the combination (after the config's ``clip``; ``standardize`` belongs on the
+  trainer's side, which sees the whole batch, and the server refuses it), ``scores``
   every raw score and sub-score; NaN travels as null.
 - Errors are ``{"error": "one line"}`` with 400 (bad request), 401 (missing or wrong token), 404, 411/413 (no or too
   large a body) or 500 (a reward failed; the line names it).
@@ -416,6 +417,10 @@ class RewardServer:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ConfigError(f"reward server: rewards {duplicates} are configured twice; names must be distinct")
+        standardized = [s.name for s in specs if (s.args or {}).get("standardize")]
+        if standardized:
+            raise ConfigError(f"reward server: 'standardize' of {standardized} needs the whole training batch, not "
+                              "one request's; set it on the trainer's remote reward spec instead")
         self.token = token or None
         self.max_request_bytes = int(max_request_mb * 2**20)
         self.zoo = RewardZoo(specs)

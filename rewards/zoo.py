@@ -9,12 +9,13 @@ building the reward:
 - ``device``: where the reward runs (``cuda:1``...). The reward is built there when its constructor takes a
   ``device`` argument, and moved there with ``.to(device)`` in any case; the batch's images and videos are copied to
   that device before the call (once per device and call, shared by the rewards on it).
-- ``clip: [lo, hi]``: clamp the reward's main score.
-- ``standardize: true``: z-score the main score over the batch (after ``clip``; NaN ignored). This only puts
-  rewards of different scales on a par before weighting; the per-group normalisation of GRPO still happens later,
-  in the advantages.
+- ``clip: [lo, hi]``: clamp the reward's main score (the zoo does it, per sample).
+- ``standardize: true``: z-score the main score over the whole batch of every process (after ``clip``; NaN
+  ignored). The trainer does it through :meth:`RewardZoo.standardize` once the scores are gathered, so the result
+  does not depend on how many processes share the batch. This only puts rewards of different scales on a par before
+  weighting; the per-group normalisation of GRPO still happens afterwards, in the advantages.
 
-Post-processing changes the main score (the column that enters the combination); ``logged`` keeps the raw scores.
+Both change the main score (the column that enters the combination); ``logged`` keeps the raw scores.
 """
 
 from __future__ import annotations
@@ -96,16 +97,13 @@ def evaluated(reward: Reward) -> bool:
     return not getattr(reward, "rollout_only", False) and getattr(reward, "kind", POINTWISE) != GROUPWISE
 
 
-def postprocess(scores: torch.Tensor, clip: tuple[float, float] | None, standardize: bool) -> torch.Tensor:
-    """``scores`` (B,) clamped to ``clip`` and then, with ``standardize``, z-scored over the non-NaN entries
-    (population std; a constant batch becomes zeros). NaN stays NaN."""
-    if clip is not None:
-        scores = scores.clamp(*clip)
-    if standardize:
-        finite = scores[~scores.isnan()]
-        if finite.numel():
-            scores = (scores - finite.mean()) / (finite.std(unbiased=False) + STD_EPS)
-    return scores
+def standardize_scores(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` (B,) z-scored over the non-NaN entries (population std; a constant batch becomes zeros). NaN
+    stays NaN."""
+    finite = scores[~scores.isnan()]
+    if not finite.numel():
+        return scores
+    return (scores - finite.mean()) / (finite.std(unbiased=False) + STD_EPS)
 
 
 @dataclasses.dataclass
@@ -138,7 +136,7 @@ class RewardZoo:
     """The configured rewards. ``__call__`` returns ``(main (B, R) float64, logged {name: (B,)}, seconds {name})``.
 
     ``main[:, r]`` is reward r's score (its ``score`` sub-score, or the mean of its sub-scores when it returns
-    several), after the spec's ``clip`` / ``standardize``; ``logged`` holds every raw score and sub-score by name for
+    several), after the spec's ``clip`` (``standardize`` needs the whole batch: :meth:`standardize`); ``logged`` holds every raw score and sub-score by name for
     metrics; ``seconds`` is each reward's wall time. Rewards are built once, here, and kept.
 
     Independent rewards run concurrently, one thread each (torch releases the GIL in its kernels, and a reward on
@@ -223,8 +221,15 @@ class RewardZoo:
             seconds[slot.name] = elapsed
             raw = main_score(scores, slot.name)
             self._count_nan(slot.name, raw)
-            main[:, r] = postprocess(raw, slot.clip, slot.standardize)
+            main[:, r] = raw if slot.clip is None else raw.clamp(*slot.clip)
         return main, logged, seconds
+
+    def standardize(self, main: torch.Tensor) -> torch.Tensor:
+        """(N, R) main scores of the whole batch (every process's, gathered) with the columns of the rewards whose
+        spec sets ``standardize`` z-scored (:func:`standardize_scores`); the others unchanged."""
+        columns = [standardize_scores(column) if slot.standardize else column
+                   for slot, column in zip(self.slots, main.unbind(dim=1))]
+        return torch.stack(columns, dim=1)
 
     def _count_nan(self, name: str, scores: torch.Tensor) -> None:
         nan = int(scores.isnan().sum())

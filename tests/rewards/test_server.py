@@ -376,6 +376,8 @@ def test_server_config_loading(tmp_path):
         load_server_config(empty)
     with pytest.raises(ConfigError, match="configured twice"):
         RewardServer([RewardSpec(name="sharpness"), RewardSpec(name="sharpness")], port=0)
+    with pytest.raises(ConfigError, match=r"'standardize' of \['sharpness'\] needs the whole training batch"):
+        RewardServer([RewardSpec(name="sharpness", args={"standardize": True})], port=0)
 
 
 def test_shipped_server_configs_load():

@@ -10,7 +10,7 @@ import torch
 
 from mmgrpo.config import RewardSpec
 from mmgrpo.rewards import RewardBatch, RewardZoo
-from mmgrpo.rewards.zoo import RewardError, postprocess
+from mmgrpo.rewards.zoo import RewardError, standardize_scores
 
 ZOO_MODULE = '''
 import threading
@@ -179,20 +179,23 @@ def test_clip_and_standardize_change_the_main_score_not_the_logged_one(mod):
                      spec("fixed", clip=[2, 4], standardize=True)])
     main, logged, _ = zoo(batch4())
     assert main[:3, 0].tolist() == [2.0, 4.0, 3.0] and math.isnan(main[3, 0])
-    z = torch.tensor([1.0, 5.0, 3.0])
-    expected = (z - z.mean()) / z.std(unbiased=False)
-    torch.testing.assert_close(main[:3, 1], expected.double(), rtol=0, atol=1e-6)
-    clipped = torch.tensor([2.0, 4.0, 3.0])
-    torch.testing.assert_close(main[:3, 2], ((clipped - 3.0) / clipped.std(unbiased=False)).double(),
+    assert main[:3, 1].tolist() == [1.0, 5.0, 3.0]  # standardising waits for the whole batch
+    assert main[:3, 2].tolist() == [2.0, 4.0, 3.0]
+    whole = zoo.standardize(torch.cat([main, main + 1.0]))  # as if two processes had scored these
+    assert whole[:3, 0].tolist() == [2.0, 4.0, 3.0]
+    z = torch.tensor([1.0, 5.0, 3.0, 2.0, 6.0, 4.0], dtype=torch.float64)
+    torch.testing.assert_close(whole[[0, 1, 2, 4, 5, 6], 1], (z - z.mean()) / z.std(unbiased=False), rtol=0, atol=1e-6)
+    clipped = torch.tensor([2.0, 4.0, 3.0, 3.0, 5.0, 4.0], dtype=torch.float64)
+    torch.testing.assert_close(whole[[0, 1, 2, 4, 5, 6], 2], (clipped - 3.5) / clipped.std(unbiased=False),
                                rtol=0, atol=1e-6)
-    assert math.isnan(main[3, 1]) and math.isnan(main[3, 2])
+    assert whole[[3, 7]].isnan().all()
     assert logged["zoo_test_rewards:fixed/score"][:3].tolist() == [1.0, 5.0, 3.0]  # raw
 
 
-def test_postprocess_edge_cases():
-    constant = postprocess(torch.full((3,), 7.0, dtype=torch.float64), None, True)
+def test_standardize_scores_edge_cases():
+    constant = standardize_scores(torch.full((3,), 7.0, dtype=torch.float64))
     assert constant.tolist() == [0.0, 0.0, 0.0]
-    nan = postprocess(torch.full((2,), math.nan, dtype=torch.float64), (0.0, 1.0), True)
+    nan = standardize_scores(torch.full((2,), math.nan, dtype=torch.float64))
     assert nan.isnan().all()
 
 
