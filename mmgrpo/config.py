@@ -353,9 +353,12 @@ def validate(cfg: BaseConfig) -> None:
         raise ConfigError(f"bad value for 'train.ema_decay': must be in [0, 1), got {cfg.train.ema_decay}")
     if cfg.grpo.clip_eps <= 0 or (cfg.grpo.clip_eps_high is not None and cfg.grpo.clip_eps_high <= 0):
         raise ConfigError("bad value for 'grpo.clip_eps': clip ranges must be > 0")
+    from mmgrpo.rewards.zoo import check_spec
+
     for i, spec in enumerate(cfg.rewards):
         if spec.name in ("", "???"):
             raise ConfigError(f"missing required key 'rewards.{i}.name'")
+        check_spec(spec.name, spec.args, f"rewards.{i}")
     from transformers import SchedulerType
 
     schedulers = [s.value for s in SchedulerType]

@@ -21,6 +21,7 @@ Both change the main score (the column that enters the combination); ``logged`` 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import threading
 import time
@@ -31,7 +32,8 @@ from typing import Any
 
 import torch
 
-from mmgrpo.registry import REWARDS
+from mmgrpo.config import ConfigError
+from mmgrpo.registry import REWARDS, RegistryError
 
 from .base import (
     GROUPWISE,
@@ -118,18 +120,56 @@ class _Slot:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-def _zoo_args(name: str, args: dict[str, Any]) -> tuple[torch.device | None, tuple[float, float] | None, bool]:
-    """The checked ``device``, ``clip`` and ``standardize`` of reward ``name``'s spec args."""
-    device = None if args.get("device") is None else torch.device(args["device"])
+def _zoo_args(args: dict[str, Any], key: str) -> tuple[torch.device | None, tuple[float, float] | None, bool]:
+    """The checked ``device``, ``clip`` and ``standardize`` of the spec ``key`` (``rewards.0``...)."""
+    try:
+        device = None if args.get("device") is None else torch.device(args["device"])
+    except RuntimeError as err:
+        raise ConfigError(f"bad value for '{key}.args.device': {one_line(err)}") from None
     clip = args.get("clip")
     if clip is not None:
-        if len(clip) != 2 or not float(clip[0]) <= float(clip[1]):
-            raise ValueError(f"reward '{name}': clip must be [lo, hi] with lo <= hi; got {clip!r}")
+        if (not isinstance(clip, Sequence) or isinstance(clip, str) or len(clip) != 2
+                or not float(clip[0]) <= float(clip[1])):
+            raise ConfigError(f"bad value for '{key}.args.clip': must be [lo, hi] with lo <= hi; got {clip!r}")
         clip = (float(clip[0]), float(clip[1]))
     standardize = args.get("standardize", False)
     if not isinstance(standardize, bool):
-        raise TypeError(f"reward '{name}': standardize must be true or false; got {standardize!r}")
+        raise ConfigError(f"bad value for '{key}.args.standardize': must be true or false; got {standardize!r}")
     return device, clip, standardize
+
+
+def check_spec(name: str, args: dict[str, Any] | None, key: str) -> None:
+    """Check the reward spec ``key`` (``rewards.0``...) before anything is built: ``name`` resolves, the zoo's
+    args are well formed, and every other arg is a parameter of the reward's class or factory (and a class gets
+    all its required ones). Raises :class:`ConfigError` naming the key, and the closest valid one."""
+    try:
+        obj = REWARDS.entry(name).obj
+    except RegistryError as err:
+        raise ConfigError(f"bad value for '{key}.name': {err}") from None
+    args = dict(args or {})
+    _zoo_args(args, key)
+    given = [k for k in args if k not in ZOO_ARGS]
+    if isinstance(obj, Reward):
+        if given:
+            raise ConfigError(f"unknown key '{key}.args.{given[0]}': reward '{name}' is an instance and takes no args")
+        return
+    if not given and not (isinstance(obj, type) and issubclass(obj, Reward)):
+        return  # a plain function, called on the batch
+    try:
+        params = inspect.signature(obj).parameters.values()
+    except (TypeError, ValueError):
+        return  # no signature to read: the call itself checks
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        for k in given:
+            if k not in named:
+                close = difflib.get_close_matches(k, named, n=1, cutoff=0.0)
+                hint = f" (closest: '{close[0]}')" if close else f" (reward '{name}' takes no args)"
+                raise ConfigError(f"unknown key '{key}.args.{k}' for reward '{name}'{hint}")
+    for p in params:
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) \
+                and p.name not in args and p.name != "device":
+            raise ConfigError(f"missing required key '{key}.args.{p.name}' for reward '{name}'")
 
 
 class RewardZoo:
@@ -159,9 +199,10 @@ class RewardZoo:
         self.names = [s.name for s in specs]
         self.weights = torch.tensor([float(s.weight) for s in specs], dtype=torch.float64)
         self.slots = []
-        for spec in specs:
+        for i, spec in enumerate(specs):
+            check_spec(spec.name, spec.args, f"rewards.{i}")
             args = dict(spec.args or {})
-            device, clip, standardize = _zoo_args(spec.name, args)
+            device, clip, standardize = _zoo_args(args, f"rewards.{i}")
             reward_args = {k: v for k, v in args.items() if k not in ZOO_ARGS}
             self.slots.append(_Slot(spec.name, build_reward(spec.name, reward_args, device), device, clip,
                                     standardize))

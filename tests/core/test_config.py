@@ -80,12 +80,16 @@ def test_missing_file_and_missing_pipeline(tmp_path):
         load_config(write(tmp_path / "q.yaml", {"pipeline": "flwo"}))
 
 
-def test_open_dicts_accept_any_subkey(tmp_path):
+def test_reward_args_are_checked_against_the_reward(tmp_path):
+    # the config schema leaves a reward's args open; validation checks them against the reward's constructor
     preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE",
-                                         "rewards": [{"name": "format", "args": {"anything": 1}}]})
+                                         "rewards": [{"name": "format", "args": {"think_tag": "reason"}}]})
     cfg = load_config(preset)
-    assert cfg.rewards[0].args == {"anything": 1}
+    assert cfg.rewards[0].args == {"think_tag": "reason"}
     assert valid_keys(BaseConfig)["rewards"] is False
+    with pytest.raises(ConfigError, match="unknown key 'rewards.0.args.think_tg' for reward 'format' "
+                                          "\\(closest: 'think_tag'\\)"):
+        load_config(preset, ["rewards.0.args.think_tg=x"])
 
 
 def test_resolved_config_round_trips(tmp_path):
@@ -108,10 +112,10 @@ def test_cli_exits_2_with_one_line_naming_the_key(tmp_path, support_env):
 def test_override_values_string_fields_verbatim_lists_by_index(tmp_path):
     preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE",
                                          "rewards": [{"name": "format"}, {"name": "accuracy", "weight": 2.0}]})
-    cfg = load_config(preset, ["output_dir={question}: a/b", "rewards.1.weight=0.5", "rewards.0.name=length",
+    cfg = load_config(preset, ["output_dir={question}: a/b", "rewards.1.weight=0.5", "rewards.0.name=sharpness",
                                "resume=null", "optim.betas=[0.8, 0.95]", "grpo.clip_eps_high=0.28"])
     assert cfg.output_dir == "{question}: a/b"
-    assert [(r.name, r.weight) for r in cfg.rewards] == [("length", 1.0), ("accuracy", 0.5)]
+    assert [(r.name, r.weight) for r in cfg.rewards] == [("sharpness", 1.0), ("accuracy", 0.5)]
     assert cfg.resume is None and cfg.optim.betas == [0.8, 0.95] and cfg.grpo.clip_eps_high == 0.28
     with pytest.raises(ConfigError, match="rewards"):
         load_config(preset, ["rewards.5.weight=1"])

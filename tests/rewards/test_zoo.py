@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from mmgrpo.config import RewardSpec
+from mmgrpo.config import ConfigError, RewardSpec
 from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards.zoo import RewardError, standardize_scores
 
@@ -200,10 +200,14 @@ def test_standardize_scores_edge_cases():
 
 
 def test_bad_zoo_args_are_named(mod):
-    with pytest.raises(ValueError, match="reward 'zoo_test_rewards:Counting': clip must be"):
+    with pytest.raises(ConfigError, match=r"bad value for 'rewards.0.args.clip': must be \[lo, hi\] with lo <= hi"):
         RewardZoo([spec("Counting", clip=[3, 1])])
-    with pytest.raises(TypeError, match="standardize must be true or false"):
-        RewardZoo([spec("Counting", standardize="yes")])
+    with pytest.raises(ConfigError, match="'rewards.1.args.standardize': must be true or false; got 'yes'"):
+        RewardZoo([spec("Counting"), spec("Counting", standardize="yes")])
+    with pytest.raises(ConfigError, match="unknown key 'rewards.0.args.ofset' for reward .*Counting' \\(closest: 'offset'\\)"):
+        RewardZoo([spec("Counting", ofset=1.0)])
+    with pytest.raises(ConfigError, match="bad value for 'rewards.0.name': unknown reward 'pikscore'; did you mean"):
+        RewardZoo([RewardSpec(name="pikscore")])
     with pytest.raises(ValueError, match="max_workers"):
         RewardZoo([spec("Counting")], max_workers=0)
 
