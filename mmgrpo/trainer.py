@@ -7,6 +7,7 @@ Everything model-specific is behind :class:`mmgrpo.policy.Policy`; everything ma
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -223,6 +224,7 @@ class Trainer:
             raise ConfigError("grpo.ratio_level=sequence needs all units of a sample in one backward pass; this "
                              "policy splits them into chunks")
         onpolicy_dev = recompute_dev = sampled_logp = None
+        first_devs: list[torch.Tensor] = []  # |ratio - 1| of every valid unit of the first update
         if rollout.recompute_old_logp:
             # The sampling forwards could not use the training layout, so old log-probs come from the training
             # forward: rows of the first update from that update's own forward (the policy has not moved yet, so
@@ -255,6 +257,9 @@ class Trainer:
                                 block = rollout.old_logp[rows]
                                 block[:, cols] = old
                                 rollout.old_logp[rows] = block
+                            if epoch == 0 and u == 0:  # masked samples too: the check is of the log-probs
+                                valid = rollout.mask[rows][:, cols].to(logp.device)
+                                first_devs.append(((logp.detach() - old).exp() - 1).abs()[valid])
                             unit_loss, ratio, clipped = self.loss_fn(
                                 logp=logp, old_logp=old, advantages=adv, mask=m, clip_low=g.clip_eps,
                                 clip_high=g.clip_eps_high, level=g.ratio_level)
@@ -270,9 +275,9 @@ class Trainer:
                         ratios.append(ratio.detach().flatten())
                         masks.append(m.flatten())
                         clips.append(clipped.flatten())
-                    if onpolicy_dev is None:  # the first micro-batch of the iteration, before any update
-                        first = torch.cat(ratios)[torch.cat(masks)]
-                        onpolicy_dev = (first - 1).abs().max().item() if first.numel() else 0.0
+                if onpolicy_dev is None:  # the first update, measured before its optimiser step
+                    first = torch.cat(first_devs)
+                    onpolicy_dev = first.max().item() if first.numel() else math.nan
                 if sampled_logp is not None and recompute_dev is None:  # every row has its old log-prob now
                     dev = (rollout.old_logp - sampled_logp).abs()[mask]
                     recompute_dev = dev.max().item() if dev.numel() else 0.0

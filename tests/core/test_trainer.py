@@ -1,6 +1,7 @@
 """The trainer, end to end, on the toy bandit policy (tests/support/toy_bandit.py)."""
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -183,6 +184,25 @@ def test_recomputed_old_logp_reports_its_distance_from_the_rollout(tmp_path, upd
     assert rows[0]["ratio/max_dev"] <= 1e-6
     if updates == 2:  # the second update's rows were scored before the first update moved the policy
         assert rows[1]["ratio/max_dev"] > 1e-4
+
+
+def test_onpolicy_check_reads_masked_samples_too(tmp_path):
+    """``ratio/onpolicy_max_dev`` checks the log-probs of every valid unit of the first update, including samples
+    the loss leaves out (zero-variance groups under dynamic sampling): here the masked group's rollout log-probs
+    are off by 0.25, and the check sees it, |exp(-0.25) - 1|."""
+    cfg = toy(tmp_path, "train.max_steps=1", "train.prompts_per_step=2", "train.micro_batch_size=4")
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        rollout = trainer.policy.rollout(trainer.train_items[:2], [0, 1], cfg.train.group_size)
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    masked = torch.arange(len(rollout)) < cfg.train.group_size
+    rollout.sample_mask = rollout.sample_mask & ~masked
+    rollout.old_logp[masked] += 0.25
+    rows = []
+    trainer.train_on_rollout(rollout, unit_adv, rows.append)
+    assert abs(rows[0]["ratio/onpolicy_max_dev"] - (1 - math.exp(-0.25))) < 1e-6
+    assert rows[0]["ratio/max_dev"] <= 1e-6  # the ratios the loss used (unmasked rows) are exact
 
 
 def test_should_stop_ends_the_run_early_with_a_checkpoint(tmp_path):
