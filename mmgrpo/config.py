@@ -91,8 +91,8 @@ class TrainConfig:
     micro_batch_size: int = 8
     """Samples per training forward/backward on one process. Rollouts are chunked the same way."""
     updates_per_rollout: int = 1
-    """Optimiser steps per pass over a rollout: the micro-batches are split into this many gradient-accumulation
-    groups."""
+    """Optimiser steps per pass over a rollout: the micro-batches are dealt into this many gradient-accumulation
+    groups, as evenly as possible; a process needs at least this many micro-batches."""
     num_inner_epochs: int = 1
     """K: passes over each rollout (TRL's num_iterations). Each pass after the first is off-policy."""
     mixed_precision: str | None = None

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mmgrpo.config import ConfigError
+
 
 @dataclass
 class Rollout:
@@ -188,16 +190,23 @@ class PipelineSpec:
     description: str = ""
 
 
-def micro_batches_per_update(n: int, micro_batch_size: int, updates_per_rollout: int) -> int:
-    """How the trainer splits a process's n rollout rows: into micro-batches of ``micro_batch_size`` rows, this
-    many to an update (the last update may get fewer)."""
+def update_sizes(n: int, micro_batch_size: int, updates_per_rollout: int) -> list[int]:
+    """How the trainer splits a process's n rollout rows: into ceil(n / micro_batch_size) micro-batches of
+    consecutive rows, dealt to ``updates_per_rollout`` optimiser updates as evenly as possible (the first ones get
+    one more). Returns the micro-batch count of each update; raises ConfigError when there are fewer micro-batches
+    than updates."""
     micro_batches = math.ceil(n / micro_batch_size)
-    return math.ceil(micro_batches / updates_per_rollout)
+    if micro_batches < updates_per_rollout:
+        raise ConfigError(f"bad value for 'train.updates_per_rollout': {updates_per_rollout} updates need as many "
+                          f"micro-batches per process, and this one has {micro_batches} ({n} rows, "
+                          f"train.micro_batch_size {micro_batch_size}); lower one of the two")
+    base, extra = divmod(micro_batches, updates_per_rollout)
+    return [base + (i < extra) for i in range(updates_per_rollout)]
 
 
 def rows_after_first_update(n: int, micro_batch_size: int, updates_per_rollout: int) -> int:
     """How many of a process's n rollout rows the trainer trains after the first update of an iteration."""
-    first = micro_batches_per_update(n, micro_batch_size, updates_per_rollout) * micro_batch_size
+    first = update_sizes(n, micro_batch_size, updates_per_rollout)[0] * micro_batch_size
     return max(n - first, 0)
 
 

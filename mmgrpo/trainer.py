@@ -7,6 +7,7 @@ Everything model-specific is behind :class:`mmgrpo.policy.Policy`; everything ma
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 import time
@@ -36,7 +37,7 @@ from mmgrpo.grpo import (
     ratio_stats,
     weighted_reward,
 )
-from mmgrpo.policy import Policy, Rollout, build_policy, micro_batches_per_update
+from mmgrpo.policy import Policy, Rollout, build_policy, update_sizes
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
@@ -173,8 +174,8 @@ class Trainer:
         t = self.cfg.train
         order = torch.arange(n) if generator is None else torch.randperm(n, generator=generator)
         micro = list(order.split(t.micro_batch_size))
-        per_update = micro_batches_per_update(n, t.micro_batch_size, t.updates_per_rollout)
-        return [micro[i:i + per_update] for i in range(0, len(micro), per_update)]
+        bounds = [0, *itertools.accumulate(update_sizes(n, t.micro_batch_size, t.updates_per_rollout))]
+        return [micro[lo:hi] for lo, hi in itertools.pairwise(bounds)]
 
     @contextmanager
     def _accumulating(self, last_pass: bool) -> Iterator[None]:

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from toy_bandit import ToyConfig
 
 from mmgrpo.cli import _policy_and_weights
-from mmgrpo.config import load_config
+from mmgrpo.config import ConfigError, load_config
+from mmgrpo.policy import rows_after_first_update, update_sizes
 from mmgrpo.tracking import read_metrics
 from mmgrpo.trainer import Trainer
 
@@ -67,6 +68,22 @@ def test_inner_epochs_and_updates_count_optimiser_steps(tmp_path):
     assert [r["inner_epoch"] for r in history] == [0, 0, 1, 1] * 2
     # later updates of an iteration are off-policy: their ratios move away from 1
     assert history[1]["ratio/max_dev"] > 0 and history[0]["ratio/onpolicy_max_dev"] == 0
+
+
+def test_update_sizes_deal_micro_batches_evenly():
+    assert update_sizes(8, 2, 3) == [2, 1, 1]  # 4 micro-batches into 3 updates, not 2 + 2
+    assert update_sizes(10, 4, 3) == [1, 1, 1] and update_sizes(8, 8, 1) == [1]
+    assert rows_after_first_update(8, 2, 3) == 4 and rows_after_first_update(8, 8, 1) == 0
+    with pytest.raises(ConfigError, match="'train.updates_per_rollout': 2 updates need as many micro-batches per "
+                                          "process, and this one has 1"):
+        update_sizes(8, 8, 2)
+
+
+def test_every_rollout_gives_updates_per_rollout_steps(tmp_path):
+    cfg = toy(tmp_path, "train.max_steps=6", "train.updates_per_rollout=3", "train.prompts_per_step=2",
+              "train.group_size=4", "train.micro_batch_size=2")
+    history = Trainer(cfg).train()
+    assert [r["iteration"] for r in history] == [1, 1, 1, 2, 2, 2]
 
 
 def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
