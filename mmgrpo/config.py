@@ -69,7 +69,9 @@ class GRPOConfig:
     """Upper clip range (clip-higher, DAPO uses 0.28); None means the same as clip_eps (symmetric)."""
     ratio_level: str = "token"
     """Importance ratio per unit ('token') or one per sequence, the geometric mean over its units ('sequence',
-    GSPO). A unit is a token for the VLM pipeline and a denoising step for the flow pipeline."""
+    GSPO). A unit is a token for the VLM pipeline and a denoising step for the flow pipeline. GSPO's objective is
+    a mean over sequences: pair 'sequence' with loss_aggregation seq-mean-token-mean (token-mean weighs each
+    sequence's term by its length)."""
     loss_aggregation: str = "token-mean"
     """token-mean (DAPO), seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO, constant denominator)."""
     kl_beta: float = 0.0
