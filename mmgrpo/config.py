@@ -56,6 +56,9 @@ class GRPOConfig:
     mean: maximum likelihood of success, for rewards >= 0), or ``module:attr``."""
     adv_eps: float = 1e-6
     """Added to the std in the denominator of the normalising estimators. Flow-GRPO uses 1e-4."""
+    adv_batch_norm: bool = False
+    """Z-score the combined advantages over the whole gathered batch (before adv_clip), so their range does not
+    grow with the number of rewards: the last step of GDPO as published (with ``reward_aggregation: gdpo``)."""
     adv_clip: float = 0.0
     """Clamp advantages to [-adv_clip, adv_clip]; 0 disables. Flow-GRPO uses 5."""
     mask_zero_std_groups: bool = False

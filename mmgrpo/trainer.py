@@ -31,6 +31,7 @@ from mmgrpo.grpo import (
     advantage_stats,
     aggregation_count,
     aggregation_weights,
+    batch_normalize,
     clip_advantages,
     combine_rewards,
     no_signal_groups,
@@ -155,8 +156,10 @@ class Trainer:
         all_group = self._gather(rollout.group)
         weights = self.rewards.weights
         adv = combine_rewards(all_main, weights, all_group, self.cfg.reward_aggregation, g.advantage, g.adv_eps)
-        adv = clip_advantages(adv, g.adv_clip)
         combined = weighted_reward(all_main, weights, all_group)
+        if g.adv_batch_norm:
+            adv = batch_normalize(adv, ~combined.isnan(), g.adv_eps)
+        adv = clip_advantages(adv, g.adv_clip)
         stats = advantage_stats(adv, combined, all_group)
         keep = torch.ones_like(adv, dtype=torch.bool)
         if g.mask_zero_std_groups:

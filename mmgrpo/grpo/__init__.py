@@ -1,6 +1,7 @@
 """Pure tensor GRPO math: advantage estimators, policy losses, KL estimators, loss aggregation and diagnostics."""
 
 from .advantages import (
+    batch_normalize,
     clip_advantages,
     combine_rewards,
     group_mean,
@@ -28,6 +29,7 @@ __all__ = [
     "advantage_stats",
     "aggregation_count",
     "aggregation_weights",
+    "batch_normalize",
     "clip_advantages",
     "combine_rewards",
     "gaussian_mean_kl",

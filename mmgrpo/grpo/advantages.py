@@ -170,6 +170,16 @@ def combine_rewards(
     raise ValueError(f"unknown reward aggregation '{aggregation}' (valid: weighted_sum, gdpo)")
 
 
+def batch_normalize(adv: torch.Tensor, valid: torch.Tensor, eps: float) -> torch.Tensor:
+    """(N,) advantages z-scored over the ``valid`` (N,) bool samples of the whole batch: (A - mean) / (std + eps),
+    population std; invalid samples keep advantage 0. Returns float64."""
+    a = adv.double()
+    if not valid.any():
+        return torch.zeros_like(a)
+    mean, std = a[valid].mean(), a[valid].std(unbiased=False)
+    return torch.where(valid, (a - mean) / (std + eps), 0.0)
+
+
 def clip_advantages(adv: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamp advantages to [-limit, limit]; ``limit <= 0`` returns them unchanged."""
     return adv.clamp(-limit, limit) if limit > 0 else adv

@@ -86,6 +86,13 @@ def test_every_rollout_gives_updates_per_rollout_steps(tmp_path):
     assert [r["iteration"] for r in history] == [1, 1, 1, 2, 2, 2]
 
 
+def test_adv_batch_norm_rescales_advantages_over_the_batch(tmp_path):
+    history = Trainer(toy(tmp_path, "train.max_steps=2", "grpo.adv_batch_norm=true",
+                          "grpo.advantage=group_mean")).train()
+    for row in history:
+        assert abs(row["adv/mean"]) < 1e-9 and abs(row["adv/std"] - 1.0) < 1e-4, row
+
+
 def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
     cfg = toy(tmp_path, "train.max_steps=4", "train.ema_decay=0.9", "optim.lr=0.1")
     trainer = Trainer(cfg)

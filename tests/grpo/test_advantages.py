@@ -2,10 +2,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mmgrpo.grpo.advantages import (
+    batch_normalize,
     clip_advantages,
     combine_rewards,
     group_mean,
@@ -171,6 +172,26 @@ def test_combine_rewards_accepts_import_path_and_rejects_unknown_aggregation():
     close(combine_rewards(r, [1.0], g, "weighted_sum", "mmgrpo.grpo.advantages:rloo", 0.0), [-2.0, 2.0])
     with pytest.raises(ValueError, match="'sum'.*weighted_sum, gdpo"):
         combine_rewards(r, [1.0], g, "sum", "rloo", 0.0)
+
+
+def test_batch_normalize():
+    adv = t([1.0, 3.0, 7.0, 5.0])
+    valid = torch.tensor([True, True, False, True])
+    # valid 1, 3, 5: mean 3, population std sqrt(8/3); the invalid sample stays 0
+    std = math.sqrt(8 / 3)
+    close(batch_normalize(adv, valid, 0.0), [-2 / std, 0.0, 0.0, 2 / std])
+    close(batch_normalize(adv, valid, 1.0), [-2 / (std + 1), 0.0, 0.0, 2 / (std + 1)])
+    close(batch_normalize(adv, torch.zeros(4, dtype=torch.bool), 0.0), [0.0] * 4)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-100, 100), min_size=2, max_size=12), st.floats(-50, 50), st.floats(0.1, 10))
+def test_batch_normalize_is_invariant_to_shift_and_scale(values, shift, scale):
+    adv = t(values)
+    valid = torch.ones(len(values), dtype=torch.bool)
+    assume(adv.std(unbiased=False) > 1e-3)
+    base = batch_normalize(adv, valid, 0.0)
+    close(batch_normalize(adv * scale + shift, valid, 0.0), base.tolist(), atol=1e-6)
 
 
 def test_clip_advantages():
