@@ -44,14 +44,19 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> 
 
 
 def run_bench(name: str, out: str | None, threads: int | None = None) -> dict[str, Any]:
-    """Run suite ``name`` with a fixed thread count, print its table, and write the JSON contract
-    ``{"bench", "machine", "rows", "figures"}`` to ``out`` when given."""
+    """Run suite ``name`` with a fixed thread count (the caller's is restored after), print its table, and write
+    the JSON contract ``{"bench", "machine", "rows", "figures"}`` to ``out`` when given."""
     from rich.console import Console
     from rich.table import Table
 
-    torch.set_num_threads(threads or torch.get_num_threads())
-    rows, figures = BENCHES.get(name)()
-    result = {"bench": name, "machine": machine_info(), "rows": rows, "figures": figures}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        machine = machine_info()
+        rows, figures = BENCHES.get(name)()
+    finally:
+        torch.set_num_threads(previous)
+    result = {"bench": name, "machine": machine, "rows": rows, "figures": figures}
     table = Table(title=f"mmgrpo bench {name} ({result['machine']['torch_threads']} threads)")
     columns = list(dict.fromkeys(k for r in rows for k in r))
     for col in columns:

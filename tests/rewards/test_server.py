@@ -2,7 +2,6 @@
 tokens, the CLI, and the rewards benchmark on tiny models. Every server is stopped and every retry loop bounded."""
 
 import json
-import math
 import os
 import signal
 import socket
@@ -17,8 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmgrpo.bench import run_bench
 from mmgrpo.cli import main as cli_main
 from mmgrpo.config import ConfigError, RewardSpec
+from mmgrpo.registry import REWARDS
 from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards import bench as reward_bench
 from mmgrpo.rewards import server as server_mod
@@ -417,22 +418,59 @@ def test_cli_serves_until_stopped(tmp_path, stop):
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark
-def test_rewards_bench_on_tiny_models(tiny_models, monkeypatch):
-    t = tiny_models
-    models = {
+def tiny_bench_models(t, root):
+    """The bench's model rewards on the tiny models (one timed call per batch size keeps the test short)."""
+    hps = {"checkpoint": t.hps_checkpoint, "model_name": t.clip_config}
+    return {
         "clip_score": ("tiny", {"model_name": t.clip_config, "pretrained": t.clip_checkpoint}),
-        "hpsv2": ("tiny", {"checkpoint": t.hps_checkpoint, "model_name": t.clip_config}),
+        "hpsv2": ("tiny", hps),
+        "hpsv2.1": ("tiny", hps),
         "aesthetic": ("tiny", {"clip_model": t.clip_config, "clip_pretrained": t.clip_checkpoint,
                                "checkpoint": t.aesthetic_checkpoint, "embed_dim": 32}),
         "pickscore": ("tiny", {"model": t.pick_model, "processor": t.pick_processor}),
+        "vlm_judge": reward_bench._build_judge(root),
     }
-    monkeypatch.setattr(reward_bench, "_build_models", lambda root: models)
+
+
+def test_rewards_bench_times_every_registered_reward(tiny_models, monkeypatch, tmp_path):
+    """Run as `mmgrpo bench rewards --threads 1` runs it: every registered reward is timed or skipped with a reason,
+    the thread count asked for is used and recorded, and the caller's count comes back."""
+    monkeypatch.setattr(reward_bench, "_build_models", lambda root: tiny_bench_models(tiny_models, root))
     monkeypatch.setattr(reward_bench, "REPEATS", {1: 1, 32: 1})
-    threads = torch.get_num_threads()
-    rows, figures = reward_bench.bench_rewards()
-    assert torch.get_num_threads() == threads
-    names = ["format", "accuracy", "jpeg_compressibility", "sharpness", *models]
-    assert list(figures) == [f"batch32_vs_batch1/{n}" for n in names] + ["remote_overhead"]
-    assert all(math.isfinite(v) and v > 0 for v in figures.values())
-    assert [r["reward"] for r in rows] == [*names, "remote(clip_score)"]
-    json.dumps(rows)  # the bench JSON holds no NaN
+    monkeypatch.setattr(REWARDS, "_entries", dict(REWARDS._entries))
+    REWARDS.register("bench_test_plugin", lambda batch: [0.0] * len(batch))  # a reward the bench has no case for
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        result = run_bench("rewards", str(tmp_path / "R.json"), threads=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert json.loads((tmp_path / "R.json").read_text()) == result
+    json.dumps(result, allow_nan=False)
+    rows, figures = result["rows"], result["figures"]
+    skipped = {r["reward"]: r["skipped"] for r in rows if "skipped" in r}
+    rows = [r for r in rows if "skipped" not in r]
+    assert result["machine"]["torch_threads"] == 1 and {r["threads"] for r in rows} == {1}
+    timed = [r["reward"] for r in rows]
+    assert len(set(timed)) == len(timed) and sorted([*timed, *skipped]) == REWARDS.names()
+    assert list(skipped) == ["bench_test_plugin"] and figures["skipped"] == 1 and skipped["bench_test_plugin"]
+    assert {e.name for e in REWARDS if e.obj.__module__.startswith("mmgrpo.rewards")} <= set(timed)
+    for row in rows:
+        assert row["batch32_per_s"] > 0, row
+        if row["reward"] == "vlm_pairwise":  # a group of one has no pair to judge
+            assert row["batch1_per_s"] is None and f"batch32_vs_batch1/{row['reward']}" not in figures
+        else:
+            assert figures[f"batch32_vs_batch1/{row['reward']}"] == row["speedup"] > 0, row
+    assert figures["remote_overhead"] > 0 and figures["remote_overhead_batch1"] > 0
+
+
+def test_rewards_bench_failure_restores_the_thread_count(monkeypatch):
+    def broken(root):
+        raise RuntimeError("no models")
+
+    monkeypatch.setattr(reward_bench, "_build_models", broken)
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="no models"):
+        run_bench("rewards", None, threads=before + 1)
+    assert torch.get_num_threads() == before
