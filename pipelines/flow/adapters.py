@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import functools
 import importlib.util
 import json
@@ -980,18 +981,31 @@ class WanAdapter(FlowAdapter):
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def adapter_class(name: str) -> type[FlowAdapter]:
+    """The :class:`FlowAdapter` subclass ``model.type`` names: a registered flow type (sd3, flux, wan) or a
+    ``module:Class`` import path. Anything else, an unknown name or a non-flow entry of ``MODEL_ADAPTERS`` (the
+    VLM's ``qwen2_vl``), is a one-line ConfigError naming ``model.type`` and the flow types."""
+    flow_types = [e.name for e in MODEL_ADAPTERS if _is_flow_adapter(e.obj)]
+    known = f"(flow types: {', '.join(flow_types)}, or a module:Class path to a FlowAdapter subclass)"
+    if ":" not in name and name not in MODEL_ADAPTERS:
+        close = difflib.get_close_matches(name, flow_types, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"bad value for 'model.type': unknown flow model type '{name}'{hint} {known}")
+    try:
+        cls = MODEL_ADAPTERS.get(name)
+    except RegistryError as err:  # an import path that does not resolve: the registry's message says why
+        raise ConfigError(f"bad value for 'model.type': {err}") from err
+    if not _is_flow_adapter(cls):
+        raise ConfigError(f"bad value for 'model.type': '{name}' is not a flow model adapter {known}")
+    return cls
+
+
+def _is_flow_adapter(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, FlowAdapter)
+
+
 def load_adapter(cfg: FlowModelConfig, device: torch.device | str = "cpu", keep_reference: bool = False,
                  **kwargs: Any) -> FlowAdapter:
-    """The adapter registered as ``cfg.type`` (or a ``module:Class`` import path), built from ``cfg``.
-
-    An unknown type is a one-line ConfigError naming ``model.type``. ``kwargs`` go to the adapter (e.g.
-    ``prompt_cache_size``)."""
-    try:
-        cls = MODEL_ADAPTERS.get(cfg.type)
-    except RegistryError as err:
-        raise ConfigError(f"bad value for 'model.type': {err}") from err
-    if not (isinstance(cls, type) and issubclass(cls, FlowAdapter)):
-        flow = ", ".join(e.name for e in MODEL_ADAPTERS if isinstance(e.obj, type) and issubclass(e.obj, FlowAdapter))
-        raise ConfigError(f"bad value for 'model.type': '{cfg.type}' is not a flow model adapter (known: {flow})")
-    return cls(cfg, device, keep_reference=keep_reference, **kwargs)
-
+    """The adapter of ``cfg.type`` (see :func:`adapter_class`), built from ``cfg``. ``kwargs`` go to the adapter
+    (e.g. ``prompt_cache_size``)."""
+    return adapter_class(cfg.type)(cfg, device, keep_reference=keep_reference, **kwargs)

@@ -17,7 +17,8 @@ class FlowModelConfig:
     """Which generator, how it is loaded and what is trained."""
 
     type: str = "sd3"
-    """Model adapter (registry ``MODEL_ADAPTERS``): sd3 (SD3/SD3.5), flux (FLUX.1) or wan (Wan2.1/2.2 T2V)."""
+    """Flow model adapter (registry ``MODEL_ADAPTERS``): sd3 (SD3/SD3.5), flux (FLUX.1) or wan (Wan2.1/2.2 T2V),
+    or a ``module:Class`` path to a ``FlowAdapter`` subclass. The registry's VLM entry (qwen2_vl) is an error."""
     path: str = "???"
     """Hub id (e.g. stabilityai/stable-diffusion-3.5-medium) or local diffusers pipeline folder. ``tiny:sd3``,
     ``tiny:flux`` and ``tiny:wan`` build a 2-layer random pipeline once, save it in the real format under
@@ -80,9 +81,10 @@ class FlowSamplingConfig:
     """Stochastic step kernel: flow_grpo (Flow-GRPO SDE), dance (DanceGRPO SDE) or cps
     (coefficients-preserving)."""
     noise_level: float = 0.7
-    """Flow-GRPO SDE noise level a (std_t = a*sqrt(sigma/(1-sigma)))."""
+    """Noise level a of sde=flow_grpo (std_t = a*sqrt(sigma/(1-sigma))) and of sde=cps (std =
+    sigma_prev*sin(a*pi/2), a in [0, 1]); Flow-GRPO uses one noise_level for both. Unused by sde=dance."""
     eta: float = 0.3
-    """DanceGRPO eta (std = eta*sqrt(|dt|)) or the CPS eta (std = sigma_prev*sin(eta*pi/2))."""
+    """DanceGRPO eta of sde=dance (std = eta*sqrt(|dt|)); unused by flow_grpo and cps."""
     latent_dtype: str = "float32"
     """Storage dtype of rollout latents. The stored next-latent is round-tripped through it before its
     log-prob is taken, so the ratio stays exactly 1 even in bf16 storage."""
@@ -133,7 +135,9 @@ class FlowModeConfig:
     only by the policy's own SDE noise and every reward difference is credited to trained steps. tempflow always
     shares it; branch trees share their root by construction."""
     timestep_weighting: str = "uniform"
-    """Per-step loss weights for every mode: uniform or noise_aware (TempFlow-GRPO)."""
+    """Per-step loss weights for every mode: uniform, or noise_aware (TempFlow-GRPO): a trained step's
+    transition std std_t*sqrt(|dt|) over the mean of it over the schedule's trainable steps, so a step's weight
+    depends on the step alone (high-noise steps > 1), whatever else is in the batch."""
 
 
 @dataclass
@@ -161,8 +165,13 @@ class FlowConfig(BaseConfig):
     data: FlowDataConfig = field(default_factory=FlowDataConfig)
 
     def validate(self) -> None:
-        """Value checks run when the config is loaded, before any model is: dtypes, a local model folder that
-        does not exist, and every ``mode.*`` / ``sampling.sde`` setting (by building the rollout mode)."""
+        """Value checks run when the config is loaded, before any model is: the model type, dtypes, a local
+        model folder that does not exist, and every ``mode.*`` / ``sampling.sde`` setting (by building the
+        rollout mode)."""
+        from .adapters import adapter_class
+        from .modes import build_mode
+
+        adapter_class(self.model.type)
         dtypes = {"model.dtype": self.model.dtype, "sampling.latent_dtype": self.sampling.latent_dtype}
         for key, value in dtypes.items():
             if value not in DTYPES:
@@ -180,8 +189,6 @@ class FlowConfig(BaseConfig):
             raise ConfigError("bad value for 'model.max_sequence_length': must be >= 1 (null: the default)")
         if self.model.lora_rank < 0:
             raise ConfigError("bad value for 'model.lora_rank': must be >= 0 (0 trains the full transformer)")
-        from .modes import build_mode
-
         build_mode(self)
 
 

@@ -170,7 +170,8 @@ def cps_step(
     Splits the noise part of the next latent between the noise estimate ``x1_hat`` and fresh noise, so that
     ``prev_sample = (1 - sigma_prev) * x0_hat + sigma_prev * (unit-variance noise)`` keeps the flow's coefficients:
     std ``sigma_prev * sin(eta * pi / 2)`` and ``mean = (1 - sigma_prev) * x0_hat + sqrt(sigma_prev^2 - std^2) * x1_hat``.
-    ``eta`` in [0, 1]; the default 0.7 is the ``noise_level`` Flow-GRPO shares between its SDE types.
+    ``eta`` in [0, 1]; the default 0.7 is the ``noise_level`` Flow-GRPO shares between its SDE types, and configs
+    set it with ``sampling.noise_level``.
 
     At ``sigma_prev == 0`` the std is 0: the step returns ``x0_hat`` with ``log_prob == 0`` (see the module notes).
 

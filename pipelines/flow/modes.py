@@ -35,15 +35,16 @@ SDE_KINDS = ("flow_grpo", "dance", "cps")
 
 def sde_kernel(sampling: Any, sigma_max_substitute: float) -> Callable[..., kernels.StepOutput]:
     """The stochastic step of ``sampling.sde`` with its noise setting bound: ``fn(x, v, sigma, sigma_prev, *,
-    noise=None, prev_sample=None) -> StepOutput``. ``sigma_max_substitute`` is the schedule's second sigma
-    (the Flow-GRPO SDE needs it at sigma == 1)."""
+    noise=None, prev_sample=None) -> StepOutput``. flow_grpo and cps take ``sampling.noise_level`` (Flow-GRPO
+    shares it between its SDE types), dance ``sampling.eta``. ``sigma_max_substitute`` is the schedule's second
+    sigma (the Flow-GRPO SDE needs it at sigma == 1)."""
     if sampling.sde == "flow_grpo":
         return partial(kernels.flow_grpo_sde_step, noise_level=sampling.noise_level,
                        sigma_max_substitute=sigma_max_substitute)
     if sampling.sde == "dance":
         return partial(kernels.dance_grpo_sde_step, eta=sampling.eta)
     if sampling.sde == "cps":
-        return partial(kernels.cps_step, eta=sampling.eta)
+        return partial(kernels.cps_step, eta=sampling.noise_level)
     raise ConfigError(f"bad value '{sampling.sde}' for 'sampling.sde': expected one of "
                       f"{', '.join(SDE_KINDS)}")
 

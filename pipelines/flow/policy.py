@@ -32,16 +32,15 @@ import torch
 from accelerate import PartialState
 from torch import Tensor
 
-from mmgrpo.config import ConfigError
 from mmgrpo.grpo import clip_advantages, gaussian_mean_kl
 from mmgrpo.policy import LogProbs, Policy, Rollout, rows_after_first_update
-from mmgrpo.registry import MODEL_ADAPTERS, RegistryError
 from mmgrpo.rewards import RewardBatch
 
 from . import kernels, media, schedules, tree
+from .adapters import load_adapter
 from .config import FlowConfig
 from .data import prompt_datasets
-from .modes import LinearPlan, TreePlan, build_mode, sde_kernel
+from .modes import LinearPlan, TreePlan, build_mode, checked, sde_kernel
 
 STATE_FILE = "flow_policy_state.json"
 """Written next to the weights by :meth:`FlowPolicy.save`: the rollout count (the iteration of window
@@ -62,6 +61,9 @@ class FlowPolicy(Policy):
         one."""
         self.cfg = cfg
         self.mode = build_mode(cfg)
+        d = cfg.data
+        # bad prompt data fails before any weights load
+        self.train_items, self.held_items = prompt_datasets(d.train_prompts, d.eval_prompts, d.num_eval)
         state = PartialState()
         self.device, self.rank = state.device, state.process_index
         self.adapter = adapter if adapter is not None else self._load_adapter(cfg)
@@ -70,25 +72,33 @@ class FlowPolicy(Policy):
         self.latent_dtype = getattr(torch, s.latent_dtype)
         self.sigmas = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
         self.kernel = sde_kernel(s, float(self.sigmas[1]))
+        self.schedule_std = self._schedule_std()
+        """The noise-aware weights' normaliser: a constant of the schedule, the same on every process."""
+        # noise_aware needs a noisy schedule (not noise_level or eta 0)
+        checked("mode.timestep_weighting", schedules.timestep_weights, cfg.mode.timestep_weighting,
+                self.schedule_std, self.schedule_std)
         self.rollouts = 0
         """Rollouts done so far: the training iteration that window schedules (mixgrpo, fast, pruning)
         follow."""
 
     def _load_adapter(self, cfg: FlowConfig) -> Any:
-        try:
-            adapter_class = MODEL_ADAPTERS.get(cfg.model.type)
-        except RegistryError as err:
-            raise ConfigError(f"bad value for 'model.type': {err}") from err
         keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
-        adapter = adapter_class(cfg.model, self.device, keep_reference=keep_reference)
+        adapter = load_adapter(cfg.model, self.device, keep_reference=keep_reference)
         if cfg.model.max_sequence_length is not None:
             adapter.max_sequence_length = cfg.model.max_sequence_length  # read by its encode_prompt call
         return adapter
 
+    def _schedule_std(self) -> Tensor:
+        """(S,) fp32 transition std of each step that can be trained (the first ``mode.trainable_steps``):
+        the kernel's std at the step's sigmas, which does not depend on the latents."""
+        t = self.mode.trainable_steps
+        zeros = torch.zeros(t, 1)
+        return self.kernel(zeros, zeros, self.sigmas[:t], self.sigmas[1:t + 1], noise=zeros).std
+
     # ------------------------------------------------------------------------------------------ data, io
     def datasets(self) -> tuple[list[dict], list[dict]]:
-        d = self.cfg.data
-        return prompt_datasets(d.train_prompts, d.eval_prompts, d.num_eval)
+        """(train items, held-out items) as read and checked at construction, before the model loads."""
+        return self.train_items, self.held_items
 
     def save(self, directory: Path) -> None:
         """Trainable weights in their user-facing format (a PEFT LoRA folder that ``pipe.load_lora_weights``
@@ -383,11 +393,13 @@ class FlowPolicy(Policy):
         return data
 
     def _unit_weights(self, std: Tensor, mask: Tensor) -> Tensor:
-        """(N, U) loss weights of ``mode.timestep_weighting`` over the trained units (noise_aware:
-        proportional to the transition std, mean 1 over all trained units of the rollout)."""
+        """(N, U) loss weights of ``mode.timestep_weighting`` for the trained units, from their transition std
+        ``std`` (N, U) (noise_aware: over the mean std of the schedule's trainable steps, so a step's weight
+        depends on the step alone, not on the rest of the rollout)."""
         weight = torch.ones_like(std)
         if mask.any():
-            weight[mask] = schedules.timestep_weights(self.cfg.mode.timestep_weighting, std[mask])
+            weight[mask] = schedules.timestep_weights(self.cfg.mode.timestep_weighting, std[mask],
+                                                      self.schedule_std.to(std.device))
         return weight
 
     def _counters(self, plan: LinearPlan | TreePlan, nfe: int, cfg_factor: int) -> dict[str, float]:

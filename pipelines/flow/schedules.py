@@ -13,7 +13,7 @@ Recipes (decisions follow the papers' public code, cited where they matter):
   (:func:`flash_plan`).
 - Flow-GRPO-Fast: a short SDE window placed at random in the early steps (:func:`fast_plan`).
 - TempFlow-GRPO: one SDE branching step per sample (:func:`tempflow_branch_steps`) and per-step loss weights
-  proportional to the transition noise (:func:`noise_aware_weights`).
+  proportional to the transition noise, normalised by the schedule's mean noise (:func:`noise_aware_weights`).
 
 Every function raises ``ValueError`` naming the offending parameter for an invalid setting.
 """
@@ -314,29 +314,35 @@ def tempflow_branch_steps(
     return torch.tensor(pool, dtype=torch.int64)[pick]
 
 
-def noise_aware_weights(step_std: Tensor) -> Tensor:
-    """TempFlow-GRPO noise-aware weights: proportional to each step's transition noise, mean 1 over the steps.
+def noise_aware_weights(step_std: Tensor, schedule_std: Tensor) -> Tensor:
+    """TempFlow-GRPO noise-aware weights: each step's transition noise over the schedule's mean transition noise.
 
-    step_std: (S,) transition std of each step, ``std_t * sqrt(|dt|)`` (latent units), non-negative, not
-    all 0. Pass only the steps that are trained so that the weights average 1 over them. Returns (S,) in
-    float32 or the input's floating dtype; high-noise (early) steps get weights above 1.
+    step_std: (S,) transition std ``std_t * sqrt(|dt|)`` (latent units) of the steps to weight, finite and
+    non-negative. schedule_std: (T,) the same quantity for every trainable step of the schedule, not all 0: a
+    constant of the schedule, so a step's weight depends on the step alone, not on the other steps of its batch,
+    rollout or process. Weights average 1 over the schedule's steps; high-noise (early) steps get weights above 1.
+    Returns (S,) in float32 or the inputs' floating dtype.
     """
-    if step_std.ndim != 1 or step_std.numel() == 0:
-        raise ValueError(f"step_std must be a non-empty 1-D tensor, got shape {tuple(step_std.shape)}")
-    std = step_std if step_std.is_floating_point() else step_std.float()
-    if not bool(torch.isfinite(std).all()) or bool((std < 0).any()) or not bool((std > 0).any()):
-        raise ValueError("step_std must be finite, non-negative and not all zero")
-    return std / std.mean()
+    for name, value in (("step_std", step_std), ("schedule_std", schedule_std)):
+        if value.ndim != 1 or value.numel() == 0:
+            raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(value.shape)}")
+        if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+            raise ValueError(f"{name} must be finite and non-negative")
+    if not bool((schedule_std > 0).any()):
+        raise ValueError("schedule_std must not be all zero (noise_aware weights need a noisy schedule)")
+    dtype = torch.promote_types(step_std.dtype, schedule_std.dtype)
+    dtype = dtype if dtype.is_floating_point else torch.float32
+    return step_std.to(dtype) / schedule_std.to(dtype).mean()
 
 
-def timestep_weights(kind: str, step_std: Tensor) -> Tensor:
+def timestep_weights(kind: str, step_std: Tensor, schedule_std: Tensor) -> Tensor:
     """Per-step loss weights for any recipe: ``"uniform"`` (all 1) or ``"noise_aware"``.
 
-    kind: one of ``WEIGHT_KINDS`` (see :func:`noise_aware_weights`). step_std: (S,) transition std of the
-    trained steps; for "uniform" only its shape and floating dtype (float32 otherwise) are used. Returns (S,).
+    kind: one of ``WEIGHT_KINDS``. step_std, schedule_std: as in :func:`noise_aware_weights`; for "uniform" only
+    the shape and floating dtype (float32 otherwise) of ``step_std`` are used. Returns (S,).
     """
     if kind == "noise_aware":
-        return noise_aware_weights(step_std)
+        return noise_aware_weights(step_std, schedule_std)
     if kind != "uniform":
         raise ValueError(f"kind={kind!r} must be one of {WEIGHT_KINDS}")
     if step_std.ndim != 1:

@@ -1,6 +1,7 @@
 """Rollout modes: the plans each recipe produces, their config errors, and the BranchGRPO tree rollout."""
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ from random_flow import RANDOM_TINY_SD3
 
 from mmgrpo.config import ConfigError, load_config
 from mmgrpo.pipelines.flow.config import FlowConfig
-from mmgrpo.pipelines.flow.modes import LinearPlan, TreePlan, build_mode
+from mmgrpo.pipelines.flow.modes import LinearPlan, TreePlan, build_mode, sde_kernel
 
 BASE = Path(__file__).resolve().parents[2] / "configs" / "flow" / "tiny_base.yaml"
 
@@ -115,6 +116,27 @@ def test_branch_plan_trains_owned_nodes_with_depth_pruning():
 def test_bad_mode_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
         config(*overrides)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "sd9", "no.such.module:Adapter"])
+def test_a_model_type_that_is_not_a_flow_adapter_fails_when_the_config_loads(name):
+    """The VLM's qwen2_vl shares the MODEL_ADAPTERS registry; the flow config names only the flow types."""
+    with pytest.raises(ConfigError) as err:
+        config(f"model.type={name}")
+    message = str(err.value)
+    assert "'model.type'" in message and "\n" not in message
+    if ":" not in name:
+        assert "flow types: flux, sd3, wan" in message and "qwen2_vl" not in message.replace(f"'{name}'", "")
+
+
+def test_cps_takes_sampling_noise_level_and_dance_takes_eta():
+    """Flow-GRPO's CPS std is sigma_prev*sin(noise_level*pi/2), the noise level its flow_grpo SDE uses too."""
+    x = torch.zeros(1, 4)
+    for sde, expected in (("cps", 0.6 * math.sin(0.5 * math.pi / 2)), ("dance", 0.2 * math.sqrt(0.2)),
+                          ("flow_grpo", 0.5 * math.sqrt(0.8 / 0.2) * math.sqrt(0.2))):
+        sampling = config(f"sampling.sde={sde}", "sampling.noise_level=0.5", "sampling.eta=0.2").sampling
+        std = sde_kernel(sampling, 0.9)(x, x, 0.8, 0.6, noise=x).std
+        assert float(std) == pytest.approx(expected, rel=1e-6), sde
 
 
 @pytest.mark.parametrize("name", ["mixgrpo", "mixgrpo_flash", "branch"])

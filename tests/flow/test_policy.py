@@ -24,6 +24,7 @@ MODES = {  # flow_grpo and mixgrpo are also trained below (KL and checkpoint tes
     "flow_grpo_bf16_latents": ("tiny_flowgrpo", ["sampling.latent_dtype=bfloat16"]),
     "flow_grpo_two_updates": ("tiny_flowgrpo", ["train.updates_per_rollout=2"]),
     "dance_grpo": ("tiny_dancegrpo", []),
+    "dance_grpo_shared_noise": ("tiny_dancegrpo", ["mode.shared_initial_noise=true"]),  # the FLUX recipe's
     "mixgrpo_flash": ("tiny_mixgrpo_flash", ["mode.window_size=1"]),
     "fast": ("tiny_flowgrpo", ["mode.name=fast", "mode.window_size=2"]),
     "mixgrpo_shared_noise": ("tiny_mixgrpo", ["mode.shared_initial_noise=true"]),
@@ -313,6 +314,42 @@ def test_prompt_sources(tmp_path):
 def test_unknown_model_type_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="'model.type'"):
         FlowPolicy(config("tiny_flowgrpo", tmp_path, "model.type=sd9"))
+
+
+@pytest.mark.parametrize(("content", "message"), [(b"", "holds no prompts"), (b"\xff\xfe", "not UTF-8")])
+def test_a_bad_prompt_file_fails_before_the_model_loads(tmp_path, content, message):
+    """The prompts are read first: with a model that cannot load, the prompt file's error is the one raised."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(content)
+    cfg = config("tiny_flowgrpo", tmp_path, "model.path=nobody/no-such-model", f"data.train_prompts={prompts}")
+    with pytest.raises(ConfigError, match=f"'data.train_prompts'.*{message}"):
+        FlowPolicy(cfg)
+
+
+def test_noise_aware_weight_of_a_step_is_the_same_in_any_batch(adapter, tmp_path):
+    """TempFlow's noise-aware weight of step k is std_k*sqrt|dt_k| over its mean over the schedule's steps: not 1
+    in a one-group rollout, the same with more groups and in another mode, and larger for a noisier step."""
+    a = 0.7  # sampling.noise_level of the preset; std_t = a*sqrt(sigma/(1-s)), s = sigmas[1] at sigma = 1
+    def weights(preset, *overrides, items=ITEMS[:1]):
+        cfg = config(preset, tmp_path, "mode.timestep_weighting=noise_aware", *overrides)
+        policy = FlowPolicy(cfg, adapter=adapter)
+        rollout = policy.rollout(items, list(range(len(items))), cfg.train.group_size)
+        return policy.sigmas, rollout.unit_weight, rollout.mask
+
+    sigmas, _, _ = weights("tiny_tempflow")
+    sigma, s = sigmas[:-1], sigmas[:-1].clone()
+    s[0] = sigmas[1]
+    noise = a * (sigma / (1 - s)).sqrt() * (sigma - sigmas[1:]).sqrt()
+    expected = noise / noise.mean()
+    assert float(expected[0]) > float(expected[2])
+    for k in (0, 2):
+        one = weights("tiny_tempflow", f"mode.tempflow_candidates=[{k}]")
+        two = weights("tiny_tempflow", f"mode.tempflow_candidates=[{k}]", "train.prompts_per_step=2", items=ITEMS)
+        for _, weight, mask in (one, two):
+            torch.testing.assert_close(weight[mask], expected[k].expand(int(mask.sum())).to(weight))
+    _, weight, mask = weights("tiny_flowgrpo")  # every step trained: unit u is step u
+    assert bool(mask.all())
+    torch.testing.assert_close(weight, expected[:weight.shape[1]].expand_as(weight).to(weight))
 
 
 def test_two_processes_train_a_tree_in_sync(train_on_two_processes):

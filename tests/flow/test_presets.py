@@ -58,13 +58,23 @@ def test_every_preset_loads_and_builds_its_mode(preset):
     if not preset.stem.startswith(("tiny", "demo")):  # GPU recipes say what they assume and where values come from
         header = "\n".join(line for line in preset.read_text().splitlines() if line.startswith("#"))
         assert "Hardware:" in header and ("published" in header.lower() or "derived" in header.lower())
+    if "dancegrpo" in preset.stem:  # DanceGRPO's scripts pass --init_same_noise: one start latent per group
+        header = "\n".join(line for line in preset.read_text().splitlines() if line.startswith("#"))
+        if preset.stem.startswith("tiny"):  # the tiny model's groups would get identical rewards; it says so
+            assert "Deviation: each sample starts from its own noise" in header
+        else:
+            assert cfg.mode.shared_initial_noise
 
 
 def test_bad_keys_and_values_exit_2_naming_the_key():
     cases = [("tiny_mixgrpo", ["no.such.key=1"], "no.such.key"),
              ("tiny_branchgrpo", ["mode.split_points=[2,4,12]"], "mode.split_points"),
              ("tiny_branchgrpo", ["mode.branch_variant=mix", "mode.window_size=11"], "mode.window_size"),
-             ("tiny_flowgrpo", ["grpo.ratio_level=sequence"], "grpo.ratio_level")]
+             ("tiny_flowgrpo", ["grpo.ratio_level=sequence"], "grpo.ratio_level"),
+             ("tiny_mixgrpo", ["model.type=qwen2_vl"], "model.type"),  # the VLM's adapter, same registry
+             # the prompts are read before the model loads, so the missing file is reported, not the model
+             ("tiny_flowgrpo", ["model.path=nobody/no-such-model", "data.train_prompts=no/such/prompts.txt"],
+              "data.train_prompts")]
     # more: test_modes.py
     runs = [(key, mmgrpo("train", f"configs/flow/{preset}.yaml", *args)) for preset, args, key in cases]
     for key, proc in runs:

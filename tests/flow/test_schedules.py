@@ -247,32 +247,48 @@ def test_tempflow_branch_steps():
 
 
 def test_noise_aware_weights_favour_high_noise_steps():
-    # std_t * sqrt(|dt|) decreasing over the steps, mean 2.5
-    w = noise_aware_weights(torch.tensor([4.0, 3.0, 2.0, 1.0]))
+    # std_t * sqrt(|dt|) of a 4-step schedule, decreasing over the steps, mean 2.5
+    schedule = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    w = noise_aware_weights(schedule, schedule)
     torch.testing.assert_close(w, torch.tensor([1.6, 1.2, 0.8, 0.4]))
     assert w[0] > 1 > w[-1]
-    torch.testing.assert_close(noise_aware_weights(torch.tensor([2, 2])), torch.tensor([1.0, 1.0]))
-    for bad in (torch.tensor([1.0, -1.0]), torch.zeros(3), torch.ones(2, 2), torch.tensor([]),
-                torch.tensor([1.0, float("inf")])):
+    torch.testing.assert_close(noise_aware_weights(torch.tensor([2, 2]), torch.tensor([2, 2])), torch.ones(2))
+    for bad in (torch.tensor([1.0, -1.0]), torch.ones(2, 2), torch.tensor([]), torch.tensor([1.0, float("inf")])):
         with pytest.raises(ValueError, match="step_std"):
-            noise_aware_weights(bad)
+            noise_aware_weights(bad, schedule)
+        with pytest.raises(ValueError, match="schedule_std"):
+            noise_aware_weights(schedule, bad)
+    with pytest.raises(ValueError, match="schedule_std must not be all zero"):
+        noise_aware_weights(schedule, torch.zeros(3))
+
+
+def test_noise_aware_weight_of_a_step_does_not_depend_on_the_other_steps_weighted():
+    """The normaliser is the schedule's, not the batch's: a lone step (one TempFlow group) keeps its weight."""
+    schedule = t([4.0, 3.0, 2.0, 1.0])
+    alone = noise_aware_weights(t([2.0]), schedule)
+    with_others = noise_aware_weights(t([4.0, 2.0, 2.0, 1.0]), schedule)
+    torch.testing.assert_close(alone, t([0.8]))
+    assert float(alone) == float(with_others[1]) == float(with_others[2]) != 1.0
+    assert float(noise_aware_weights(t([4.0]), schedule)) > float(alone)
 
 
 def test_timestep_weights_dispatch():
     std = t([3.0, 1.0])
-    torch.testing.assert_close(timestep_weights("uniform", std), t([1.0, 1.0]))
-    torch.testing.assert_close(timestep_weights("uniform", torch.tensor([3, 1])), torch.ones(2))
-    torch.testing.assert_close(timestep_weights("noise_aware", std), t([1.5, 0.5]))
+    torch.testing.assert_close(timestep_weights("uniform", std, std), t([1.0, 1.0]))
+    torch.testing.assert_close(timestep_weights("uniform", torch.tensor([3, 1]), std), torch.ones(2))
+    torch.testing.assert_close(timestep_weights("noise_aware", std, std), t([1.5, 0.5]))
+    torch.testing.assert_close(timestep_weights("noise_aware", t([1.0]), std), t([0.5]))
     with pytest.raises(ValueError, match="kind"):
-        timestep_weights("snr", std)
+        timestep_weights("snr", std, std)
     with pytest.raises(ValueError, match="step_std"):
-        timestep_weights("uniform", torch.ones(2, 2))
+        timestep_weights("uniform", torch.ones(2, 2), std)
 
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.floats(0.0, 10.0), min_size=1, max_size=30).filter(lambda v: max(v) > 1e-3))
-def test_noise_aware_weights_have_mean_one_and_keep_ratios(values):
+def test_noise_aware_weights_have_mean_one_over_the_schedule_and_keep_ratios(values):
     std = torch.tensor(values, dtype=torch.float64)
-    w = noise_aware_weights(std)
+    w = noise_aware_weights(std, std)
     assert abs(float(w.mean()) - 1.0) < 1e-9
     torch.testing.assert_close(w * std.mean(), std)
+    torch.testing.assert_close(noise_aware_weights(std[:1], std), w[:1], rtol=0, atol=0)
