@@ -184,6 +184,21 @@ def val_source(spec: DemoSpec) -> str:
     return "unseen prompts" if spec.val_file else "training prompts"
 
 
+DEMO_OUTPUTS = ("demo.json", "report.md")
+"""Files that mark a folder as an earlier demo's output, which a new run may clear."""
+
+
+def clear_output_dir(out: Path) -> None:
+    """Make ``out`` an empty folder. A folder that exists is cleared only when it is empty or holds an earlier
+    demo's output (:data:`DEMO_OUTPUTS`); anything else raises FileExistsError naming it, and is left untouched."""
+    if out.exists():
+        if not out.is_dir() or (any(out.iterdir()) and not any((out / name).is_file() for name in DEMO_OUTPUTS)):
+            raise FileExistsError(f"refusing to clear {out}: it is not an earlier demo's output (no "
+                                  f"{' or '.join(DEMO_OUTPUTS)}); choose another --output-dir")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
     """Run one demo end to end and return what demo.json holds."""
     from rich.console import Console
@@ -196,9 +211,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     if not preset.is_file():
         raise FileNotFoundError(f"demo preset not found: {preset} (run from a clone of the mmgrpo repository)")
     out = Path(output_dir or f"runs/demo-{which}")
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    clear_output_dir(out)
     console = Console()
     start = time.perf_counter()
     flow = which == "flow"

@@ -136,3 +136,22 @@ def test_circular_accuracy_gives_a_constant_letter_nothing_on_multiple_choice():
         assert demo.circular_accuracy(policy, zoo, items, batch, logged["accuracy"]) == pytest.approx(expected)
     plain = zoo(LetterPolicy("A").generate(items))[1]["accuracy"].mean().item()
     assert plain > counts / len(samples)  # "A" is right on some questions once, never under every rotation
+
+
+def test_demo_clears_only_its_own_output(tmp_path, capsys):
+    from mmgrpo.cli import main
+
+    precious = tmp_path / "work"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    assert main(["demo", "--output-dir", str(precious)]) == 2
+    assert "refusing to clear" in capsys.readouterr().err and (precious / "notes.txt").read_text() == "keep me"
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "demo.json").write_text("{}")
+    (earlier / "samples.png").write_bytes(b"")
+    demo.clear_output_dir(earlier)  # an earlier demo's folder is cleared, and a missing one created
+    demo.clear_output_dir(tmp_path / "new")
+    assert list(earlier.iterdir()) == [] and (tmp_path / "new").is_dir()
+    with pytest.raises(FileExistsError, match="refusing to clear"):
+        demo.clear_output_dir(precious / "notes.txt")
