@@ -14,7 +14,8 @@ Honesty rules:
   answered right under every rotation of its options, which no letter prior survives), and accuracy per kind of
   question (``accuracy/{task}/{kind}``).
 - A snapshot counts only if its validation guard measure (``DemoSpec.guard``: sample diversity for flow,
-  answer diversity for vlm) is within 20% of the base model's. Flow stops training at the first check that
+  answer diversity for vlm, pooled and per kind of question, ``answer_diversity/{task}/{kind}``) is within 20% of
+  the base model's. Flow stops training at the first check that
   fails; the VLM keeps training and passes over failing snapshots, because its answer prior drifts back and forth.
 """
 
@@ -128,8 +129,14 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
 
         choice = [i for i, m in enumerate(batch.meta)
                   if canonical_problem_type(m.get("problem_type", "")) == "multiple choice"]
-        metrics["answer_diversity"] = answer_diversity(
-            [batch.completions[i] for i in choice], [ground_truth(batch.meta[i], i, "demo") for i in choice])
+        by_kind_choice: dict[str, list[int]] = {"answer_diversity": choice}
+        for i in choice:
+            if "kind" in batch.meta[i]:
+                kind = f"answer_diversity/{batch.meta[i].get('task', 'task')}/{batch.meta[i]['kind']}"
+                by_kind_choice.setdefault(kind, []).append(i)
+        for name, rows in by_kind_choice.items():
+            metrics[name] = answer_diversity([batch.completions[i] for i in rows],
+                                             [ground_truth(batch.meta[i], i, "demo") for i in rows])
         by_kind: dict[str, list[float]] = {}
         for m, value in zip(batch.meta, logged[spec.metric].tolist()):
             if "kind" in m:
@@ -170,6 +177,15 @@ def guard_kept(value: float, base: float) -> bool:
     """Whether a guard measure ``value`` is at least ``GUARD_FLOOR`` of the base model's ``base``; always when the
     base is not measurable (NaN), never when ``value`` is NaN and the base is."""
     return not math.isfinite(base) or value >= GUARD_FLOOR * base
+
+
+def guard_failures(metrics: dict[str, float], base: dict[str, float], guard: str) -> list[str]:
+    """The guard measures of ``metrics`` that fall below ``GUARD_FLOOR`` of the base model's (:func:`guard_kept`):
+    ``guard`` itself and each of its per-kind parts (``guard/<task>/<kind>``) that the base has. Per kind, because
+    a letter habit that differs by kind (A for every colour question, B for every shape one) keeps the pooled
+    answer spread."""
+    names = [guard] + sorted(k for k in base if k.startswith(guard + "/"))
+    return [k for k in names if not guard_kept(metrics.get(k, math.nan), base[k])]
 
 
 def validation_items(train_items: list[dict], n: int) -> list[dict]:
@@ -250,12 +266,13 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
         metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
         validations.append((step, metrics))
         guard = metrics[spec.guard]
-        kept = guard_kept(guard, val_base[spec.guard])
+        below = guard_failures(metrics, val_base, spec.guard)
+        kept = not below
         bar.write(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} "
-                      f"{guard:.2f}" + ("" if kept else " (below the guard floor)"))
+                  f"{guard:.2f}" + ("" if kept else f" (below the guard floor: {', '.join(below)})"))
         if not kept and spec.stop_on_guard:
-            stop_reason["why"] = (f"early stop at step {step}: validation {spec.guard} {guard:.2f} fell below "
-                                  f"{GUARD_FLOOR:.0%} of the base model's {val_base[spec.guard]:.2f}")
+            stop_reason["why"] = (f"early stop at step {step}: validation {below[0]} {metrics[below[0]]:.2f} fell "
+                                  f"below {GUARD_FLOOR:.0%} of the base model's {val_base[below[0]]:.2f}")
             return True
         if kept and metrics[spec.metric] > best["metrics"][spec.metric]:
             best.update(step=step, metrics=metrics)
@@ -325,16 +342,21 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     plt.close(fig)
 
     sample_lines = write_samples(out, which, spec, before_batch, after_batch)
-    failed = [step for step, m in validations[1:] if not guard_kept(m[spec.guard], validations[0][1][spec.guard])]
+    failed = [step for step, m in validations[1:] if guard_failures(m, validations[0][1], spec.guard)]
     if failed and not spec.stop_on_guard:
-        guard_note_failed = (f"Validation `{spec.guard}` fell below {GUARD_FLOOR:.0%} of the base model's at "
-                             f"step(s) {', '.join(map(str, failed))}; those snapshots were not eligible.\n")
+        guard_note_failed = (f"Validation `{spec.guard}` (pooled or of one kind) fell below {GUARD_FLOOR:.0%} of "
+                             f"the base model's at step(s) {', '.join(map(str, failed))}; those snapshots were not "
+                             "eligible.\n")
     else:
         guard_note_failed = ""
     ratio = after[spec.guard] / before[spec.guard]
     kept = "within" if ratio >= GUARD_FLOOR else "OUTSIDE"
+    below = [k for k in guard_failures(after, before, spec.guard) if k != spec.guard]
+    parts = sum(k.startswith(spec.guard + "/") for k in before)
+    per_kind = (f" Per kind, {parts - len(below)} of {parts} parts are within it"
+                + (f"; OUTSIDE: {', '.join(f'`{k}`' for k in below)}" if below else "") + "." if parts else "")
     guard_note = (f"`{spec.guard}` after training is {ratio:.0%} of the base model's, {kept} the 20% band the gain "
-                  "is conditioned on.\n" if math.isfinite(before[spec.guard]) else
+                  f"is conditioned on.{per_kind}\n" if math.isfinite(before[spec.guard]) else
                   f"`{spec.guard}` is not measurable on this held-out set, so no gain is conditioned on it.\n")
     circular_note = ("`circular_accuracy` asks every multiple-choice question again under each rotation of its "
                      "options and counts it only if all are answered right, so an answer-letter habit gains nothing "

@@ -60,6 +60,8 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     assert "| circular_accuracy |" in report
     for kind in ("colour", "shape", "count"):  # the first 3 held-out questions, one per image kind
         assert f"| accuracy/shapes_qa/{kind} |" in report
+    for kind in ("colour", "shape"):  # the multiple-choice ones
+        assert f"| answer_diversity/shapes_qa/{kind} |" in report
     assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
     assert "validation set of 2 unseen prompts from assets/data/shapes_qa/val.jsonl" in report
 
@@ -101,6 +103,16 @@ def test_validation_items_cover_every_kind_of_an_interleaved_file():
                                                (float("nan"), 0.47, False), (0.0, float("nan"), True)])
 def test_guard_kept_at_80_percent_of_the_base(value, base, kept):
     assert demo.guard_kept(value, base) is kept
+
+
+def test_guard_checks_every_kind():
+    # a letter habit per kind (A for every colour question, B for every shape one) keeps the pooled spread
+    base = {"answer_diversity": 0.9, "answer_diversity/shapes_qa/colour": 0.8, "answer_diversity/shapes_qa/shape": 0.0}
+    habit = {"answer_diversity": 1.0, "answer_diversity/shapes_qa/colour": 0.0, "answer_diversity/shapes_qa/shape": 0.0}
+    assert demo.guard_failures(habit, base, "answer_diversity") == ["answer_diversity/shapes_qa/colour"]
+    fine = {**habit, "answer_diversity/shapes_qa/colour": 0.7}
+    assert demo.guard_failures(fine, base, "answer_diversity") == []
+    assert demo.guard_failures({"diversity": 10.0}, {"diversity": 20.0}, "diversity") == ["diversity"]
 
 
 class LetterPolicy:
