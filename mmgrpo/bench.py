@@ -8,6 +8,7 @@ fix the thread count, which :func:`machine_info` records in the output.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -43,6 +44,18 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> 
     return statistics.median(times)
 
 
+def finite_or_null(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists and scalars) with every NaN or infinite float replaced by None, so that the
+    JSON is strict (a bare NaN breaks jq and JavaScript)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
+
+
 def run_bench(name: str, out: str | None, threads: int | None = None) -> dict[str, Any]:
     """Run suite ``name`` with a fixed thread count (the caller's is restored after), print its table, and write
     the JSON contract ``{"bench", "machine", "rows", "figures"}`` to ``out`` when given."""
@@ -69,6 +82,6 @@ def run_bench(name: str, out: str | None, threads: int | None = None) -> dict[st
         console.print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2))
+        Path(out).write_text(json.dumps(finite_or_null(result), indent=2, allow_nan=False))
         console.print(f"wrote {out}")
     return result

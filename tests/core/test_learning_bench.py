@@ -1,5 +1,6 @@
 """`mmgrpo bench learning`: every variant is a valid config of its demo preset, and the time-to-target math."""
 
+import json
 import math
 
 import pytest
@@ -26,3 +27,17 @@ def test_time_to_reach_is_the_first_mark_at_or_above_the_target():
     assert time_to_reach(curve, 0.3) == 4.0
     assert time_to_reach(curve, 0.2) == 0.0
     assert math.isnan(time_to_reach(curve, 0.5))
+
+
+def test_bench_json_is_strict(tmp_path, monkeypatch):
+    from mmgrpo.bench import BENCHES, run_bench
+
+    monkeypatch.setattr(BENCHES, "_entries", dict(BENCHES._entries))
+    BENCHES.register("nan_suite", lambda: ([{"case": "a", "ratio": math.nan}], {"never_reached": math.inf, "x": 1.5}))
+    run_bench("nan_suite", str(tmp_path / "B.json"))
+
+    def reject(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    saved = json.loads((tmp_path / "B.json").read_text(), parse_constant=reject)
+    assert saved["rows"] == [{"case": "a", "ratio": None}] and saved["figures"] == {"never_reached": None, "x": 1.5}
