@@ -13,15 +13,11 @@ from typing import Any
 from mmgrpo.config import ConfigError, load_config
 from mmgrpo.registry import RegistryError
 
-DEMO_PLAN = """\
-mmgrpo demo {which}: not available yet in this checkout (missing: {missing}).
-With the tiny pretrained model {asset} and the preset {preset}, this command will, on this CPU and with
-no downloads:
-  1. evaluate the shipped tiny model on held-out prompts with the task's honest evaluator,
-  2. train it with GRPO,
-  3. evaluate again, and write report.md (before/after table, reward curve, sample grid) and demo.json
-     into {out}.
-Nothing was trained and no numbers were produced."""
+DEMO_MISSING = """\
+mmgrpo demo {which} needs {missing}, which this installation does not have: the tiny models (assets/) and the
+presets (configs/) are in the repository, not in the package. Run it from a clone:
+  git clone <the mmgrpo repository> && cd mmgrpo && pip install -e ".[dev]" && mmgrpo demo {which}
+Nothing was trained."""
 
 
 def _policy_and_weights(cfg: Any) -> Any:
@@ -188,15 +184,13 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mmgrpo.demo import DEMOS, in_repo, missing_parts, run_demo
+    from mmgrpo.demo import in_repo, missing_parts, run_demo
 
     out = args.output_dir or f"runs/demo-{args.which}"  # relative to where the user is
     missing = missing_parts(args.which)
     if missing:
-        spec = DEMOS[args.which]
-        print(DEMO_PLAN.format(which=args.which, preset=spec.preset, asset=spec.asset, out=out,
-                               missing=", ".join(missing)), file=sys.stderr)
-        return 1
+        print(DEMO_MISSING.format(which=args.which, missing=", ".join(missing)), file=sys.stderr)
+        return 2
     out = Path(out).resolve()
     with in_repo():
         run_demo(args.which, str(out), args.minutes)

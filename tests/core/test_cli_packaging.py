@@ -79,14 +79,14 @@ def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, support_env):
     assert missing.returncode == 2 and "no checkpoint" in missing.stderr
 
 
-def test_demo_says_what_it_will_do_and_fails_when_its_asset_is_missing(monkeypatch, capsys):
+def test_demo_says_where_it_runs_and_fails_when_its_asset_is_missing(monkeypatch, capsys):
     import dataclasses
 
     from mmgrpo import cli, demo
 
     spec = dataclasses.replace(demo.DEMOS["flow"], asset="assets/no-such-model")
     monkeypatch.setitem(demo.DEMOS, "flow", spec)
-    assert cli.main(["demo"]) != 0
+    assert cli.main(["demo"]) == 2
     captured = capsys.readouterr()
-    assert "not available yet" in captured.err and "assets/no-such-model" in captured.err
+    assert "needs assets/no-such-model" in captured.err and "Run it from a clone" in captured.err
     assert not re.search(r"\d+(\.\d+)?\s*%|before\s*[:=]\s*\d", captured.out + captured.err)
