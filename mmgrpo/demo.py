@@ -22,11 +22,13 @@ Honesty rules:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
 import random
 import shutil
+import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +44,8 @@ GUARD_FLOOR = 0.8
 model's."""
 HONESTY_MEASURES = ("diversity", "size_position_distance", "answer_diversity", "circular_accuracy")
 """Measures the training reward does not see, reported before and after (those the demo computes)."""
+SAMPLE_QUESTIONS = 8
+"""Held-out VLM questions shown in samples.png."""
 
 
 @dataclass
@@ -405,9 +409,75 @@ def write_samples(out: Path, which: str, spec: DemoSpec, before: Any, after: Any
             image_grid(batch.images[:shown], captions, columns=k * 2).save(out / f"samples_{tag}.png")
         return ("Held-out samples before training:\n\n![before](samples_before.png)\n\n"
                 "after training:\n\n![after](samples_after.png)\n")
+    rows = sample_rows(before.meta, SAMPLE_QUESTIONS)
+    question_grid(out / "samples.png", before, after, rows)
     lines = ["| prompt | before | after |", "|---|---|---|"]
     for prompt, b, a in list(zip(before.prompts, before.completions, after.completions))[:12]:
         clean = [s.replace("|", "/").replace("\n", " ") for s in (prompt[:80], b[:120], a[:120])]
         lines.append("| " + " | ".join(clean) + " |")
     (out / "samples.md").write_text("\n".join(lines) + "\n")
-    return "Held-out completions before and after training:\n\n" + "\n".join(lines) + "\n"
+    return (f"{len(rows)} held-out questions, one of each kind in turn, answered before and after training "
+            "(green right, red wrong):\n\n![before/after samples](samples.png)\n\n"
+            "The first held-out completions before and after training (also in [samples.md](samples.md)):\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def sample_rows(meta: list[dict], n: int) -> list[int]:
+    """``n`` rows taking turns over the kinds of question (``task/kind``, in held-out order): the first question of
+    each kind, then the second of each, ... Fixed by the held-out order alone, never by the answers."""
+    by_kind: dict[str, list[int]] = {}
+    for i, m in enumerate(meta):
+        by_kind.setdefault(f"{m.get('task')}/{m.get('kind')}", []).append(i)
+    turns = itertools.zip_longest(*by_kind.values())
+    return [i for turn in turns for i in turn if i is not None][:n]
+
+
+def media_strip(meta: dict, frames: int = 3) -> torch.Tensor | None:
+    """The media a question showed the model as one (H, W, 3) uint8 picture: its image, or ``frames`` evenly spaced
+    frames of its clip (first, middle, last) side by side with 2 px white gaps; None without media."""
+    if meta["videos"]:
+        video = meta["videos"][0]
+        tiles = video[torch.linspace(0, video.shape[0] - 1, frames).round().long()]
+    elif meta["images"]:
+        tiles = meta["images"][0][None]
+    else:
+        return None
+    gap = torch.full((3, tiles.shape[2], 2), 255, dtype=torch.uint8)
+    parts = [part for tile in tiles for part in (tile, gap)][:-1]
+    return torch.cat(parts, dim=2).permute(1, 2, 0)
+
+
+def question_grid(path: Path, before: Any, after: Any, rows: list[int]) -> None:
+    """A PNG at ``path`` with one row per held-out question in ``rows``: its media (nearest-neighbour upscaled)
+    on the left; on the right its kind, question and options, the ground truth, and the before and after
+    ``<answer>`` content in green (right) or red (wrong)."""
+    import matplotlib.pyplot as plt
+
+    from mmgrpo.rewards.text_rules import AccuracyReward, last_tagged
+
+    accuracy = AccuracyReward()
+    right = {tag: accuracy(batch.select(rows)).tolist() for tag, batch in (("before", before), ("after", after))}
+    fig, axes = plt.subplots(len(rows), 2, figsize=(9, 1.5 * len(rows)), dpi=100, squeeze=False,
+                             gridspec_kw={"width_ratios": [1, 1.3]})
+    for k, (i, (media_ax, text_ax)) in enumerate(zip(rows, axes)):
+        meta = before.meta[i]
+        media_ax.axis("off")
+        text_ax.axis("off")
+        strip = media_strip(meta)
+        if strip is not None:
+            media_ax.imshow(strip.numpy(), interpolation="nearest")
+        question, *options = [line for line in before.prompts[i].splitlines() if line != "Options:"]
+        lines = [(f"{meta.get('task')}/{meta.get('kind')}", "grey"),
+                 *[(line, "black") for text in (question, "   ".join(options)) for line in textwrap.wrap(text, 70)],
+                 (f"truth: {meta['answer']}", "black")]
+        for tag, batch in (("before", before), ("after", after)):
+            ok = right[tag][k] == 1.0
+            answer = last_tagged(batch.completions[i]) or "(no <answer>)"
+            lines.append((f"{tag}: {answer}  " + ("\u2713" if ok else "\u2717"), "green" if ok else "red"))
+        for j, (line, colour) in enumerate(lines):
+            text_ax.annotate(line, (0, 1), xycoords="axes fraction", xytext=(0, -13 * j), textcoords="offset points",
+                             va="top", fontsize=10, color=colour)
+    fig.suptitle("held-out questions before and after GRPO (green: right, red: wrong)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -63,6 +63,9 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     for kind in ("colour", "shape"):  # the multiple-choice ones
         assert f"| answer_diversity/shapes_qa/{kind} |" in report
     assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
+    png = (tmp_path / "samples.png").read_bytes()  # the media, questions and answers of the 3 held-out questions
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+    assert "![before/after samples](samples.png)" in report and "[samples.md](samples.md)" in report
     assert "validation set of 2 unseen prompts from assets/data/shapes_qa/val.jsonl" in report
 
 
