@@ -176,8 +176,8 @@ class RewardZoo:
     """The configured rewards. ``__call__`` returns ``(main (B, R) float64, logged {name: (B,)}, seconds {name})``.
 
     ``main[:, r]`` is reward r's score (its ``score`` sub-score, or the mean of its sub-scores when it returns
-    several), after the spec's ``clip`` (``standardize`` needs the whole batch: :meth:`standardize`); ``logged`` holds every raw score and sub-score by name for
-    metrics; ``seconds`` is each reward's wall time. Rewards are built once, here, and kept.
+    several), after the spec's ``clip`` (``standardize`` needs the whole batch: :meth:`standardize`); ``logged``
+    holds every raw score and sub-score by name for metrics; ``seconds`` is each reward's wall time. Rewards are built once, here, and kept.
 
     Independent rewards run concurrently, one thread each (torch releases the GIL in its kernels, and a reward on
     its own GPU overlaps fully), under ``torch.no_grad()``. A reward never runs twice at once: concurrent calls of

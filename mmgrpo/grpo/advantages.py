@@ -171,13 +171,10 @@ def combine_rewards(
 
 
 def batch_normalize(adv: torch.Tensor, valid: torch.Tensor, eps: float) -> torch.Tensor:
-    """(N,) advantages z-scored over the ``valid`` (N,) bool samples of the whole batch: (A - mean) / (std + eps),
-    population std; invalid samples keep advantage 0. Returns float64."""
-    a = adv.double()
-    if not valid.any():
-        return torch.zeros_like(a)
-    mean, std = a[valid].mean(), a[valid].std(unbiased=False)
-    return torch.where(valid, (a - mean) / (std + eps), 0.0)
+    """(N,) advantages z-scored over the ``valid`` (N,) bool samples of the whole batch, taken as one group
+    (:func:`group_zscore`); invalid samples get advantage 0. Returns float64."""
+    one_group = torch.zeros_like(adv, dtype=torch.int64)
+    return group_zscore(torch.where(valid, adv.double(), float("nan")), one_group, eps)
 
 
 def clip_advantages(adv: torch.Tensor, limit: float) -> torch.Tensor:
