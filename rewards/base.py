@@ -91,6 +91,14 @@ class Reward:
         """Move any model the reward holds; rules have none."""
         return self
 
+    @classmethod
+    def components(cls, args: dict[str, Any]) -> list[tuple[str | None, str, Callable[[], Any]]]:
+        """What the constructor builds from other entries named in its ``args`` (a base reward, a judge backend):
+        one ``(name arg, args arg, resolve)`` each, where ``resolve()`` returns the component's class or factory
+        (and raises ``KeyError`` or ``RegistryError`` for a bad name; ``name arg`` is None for a fixed component).
+        Config loading checks the ``args arg`` against that constructor as it checks the reward's own args."""
+        return []
+
 
 class FunctionReward(Reward):
     """A plain function ``fn(batch) -> scores`` used as a reward."""

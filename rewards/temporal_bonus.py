@@ -10,6 +10,7 @@ right at one prompt per device.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,6 +74,11 @@ class TemporalBonus(Reward):
     kind = GROUPWISE
     modality = "text"
     rollout_only = True
+
+    @classmethod
+    def components(cls, args: dict[str, Any]) -> list[tuple[str | None, str, Callable[[], Any]]]:
+        """The ``accuracy`` reward (see :meth:`Reward.components`)."""
+        return [(None, "accuracy_args", lambda: AccuracyReward)]
 
     def __init__(self, alpha: float = 0.3, mu: float = 0.8, threshold: float = 0.1,
                  accuracy_args: dict[str, Any] | None = None):

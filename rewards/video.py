@@ -7,6 +7,7 @@ A VideoAlign-style judge comes through the VLM judge rewards, not here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,6 +66,11 @@ class VideoFrames(Reward):
 
     kind = POINTWISE
     modality = "video"
+
+    @classmethod
+    def components(cls, args: dict[str, Any]) -> list[tuple[str | None, str, Callable[[], Any]]]:
+        """The image reward (see :meth:`Reward.components`)."""
+        return [("image_reward", "image_reward_args", lambda: REWARDS.entry(args["image_reward"]).obj)]
 
     def __init__(self, image_reward: str | Reward, image_reward_args: dict[str, Any] | None = None,
                  frames: int | None = 8, reduce: str = "mean"):

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -329,6 +329,13 @@ class OpenAIJudge:
 BACKENDS = {"transformers": TransformersJudge, "openai": OpenAIJudge}
 
 
+def backend_class(name: str) -> type:
+    """The judge backend class called ``name``; ValueError naming the choices otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)} (or a JudgeBackend); got {name!r}")
+    return BACKENDS[name]
+
+
 # ---------------------------------------------------------------------------------------------------- rewards
 def judge_frames(video: torch.Tensor, input_fps: float, fps: float, max_frames: int) -> torch.Tensor:
     """The frames of ``video`` (T, 3, H, W) a judge sees: resampled from ``input_fps`` to ``fps`` (evenly spaced),
@@ -351,15 +358,21 @@ class _JudgeReward(Reward):
 
     name = "vlm_judge"
 
+    @classmethod
+    def components(cls, args: dict[str, Any]) -> list[tuple[str | None, str, Callable[[], Any]]]:
+        """The judge backend (see :meth:`Reward.components`)."""
+        return [("backend", "backend_args", lambda: backend_class(args.get("backend", "transformers")))]
+
     def __init__(self, backend: str | JudgeBackend, backend_args: dict[str, Any] | None, fps: float,
                  input_fps: float | None, max_frames: int):
         if isinstance(backend, JudgeBackend):
             self.backend = backend
-        elif backend in BACKENDS:
-            self.backend = BACKENDS[backend](**(backend_args or {}))
         else:
-            raise ValueError(f"{self.name}: backend must be one of {sorted(BACKENDS)} (or a JudgeBackend); "
-                             f"got {backend!r}")
+            try:
+                backend_type = backend_class(backend)
+            except ValueError as err:
+                raise ValueError(f"{self.name}: {err}") from None
+            self.backend = backend_type(**(backend_args or {}))
         if fps <= 0 or max_frames < 2 or (input_fps is not None and input_fps <= 0):
             raise ValueError(f"{self.name}: needs fps > 0, input_fps > 0 and max_frames >= 2")
         self.fps, self.input_fps, self.max_frames = float(fps), input_fps, int(max_frames)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -66,6 +67,11 @@ class WinRate(Reward):
     """
 
     kind = GROUPWISE
+
+    @classmethod
+    def components(cls, args: dict[str, Any]) -> list[tuple[str | None, str, Callable[[], Any]]]:
+        """The base reward (see :meth:`Reward.components`)."""
+        return [("base", "base_args", lambda: REWARDS.entry(args["base"]).obj)]
 
     def __init__(self, base: str, base_args: dict | None = None, margin: float = 0.0):
         if margin < 0:

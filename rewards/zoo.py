@@ -26,7 +26,7 @@ import inspect
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -141,19 +141,25 @@ def _zoo_args(args: dict[str, Any], key: str) -> tuple[torch.device | None, tupl
 def check_spec(name: str, args: dict[str, Any] | None, key: str) -> None:
     """Check the reward spec ``key`` (``rewards.0``...) before anything is built: ``name`` resolves, the zoo's
     args are well formed, and every other arg is a parameter of the reward's class or factory (and a class gets
-    all its required ones). Raises :class:`ConfigError` naming the key, and the closest valid one."""
+    all its required ones), down through the components it names (:meth:`Reward.components`: a win rate's base
+    reward, a judge's backend). Raises :class:`ConfigError` naming the key, and the closest valid one."""
     try:
         obj = REWARDS.entry(name).obj
     except RegistryError as err:
         raise ConfigError(f"bad value for '{key}.name': {err}") from None
     args = dict(args or {})
     _zoo_args(args, key)
-    given = [k for k in args if k not in ZOO_ARGS]
+    _check_args(obj, {k: v for k, v in args.items() if k not in ZOO_ARGS}, f"{key}.args", f"reward '{name}'")
+
+
+def _check_args(obj: Any, args: dict[str, Any], key: str, what: str) -> None:
+    """``args`` (at config key ``key``) against the signature of ``obj``, a reward or component constructor named
+    ``what`` in messages; then each component ``obj`` builds from them."""
     if isinstance(obj, Reward):
-        if given:
-            raise ConfigError(f"unknown key '{key}.args.{given[0]}': reward '{name}' is an instance and takes no args")
+        if args:
+            raise ConfigError(f"unknown key '{key}.{next(iter(args))}': {what} is an instance and takes no args")
         return
-    if not given and not (isinstance(obj, type) and issubclass(obj, Reward)):
+    if not args and not isinstance(obj, type):
         return  # a plain function, called on the batch
     try:
         params = inspect.signature(obj).parameters.values()
@@ -161,15 +167,29 @@ def check_spec(name: str, args: dict[str, Any] | None, key: str) -> None:
         return  # no signature to read: the call itself checks
     named = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if not any(p.kind is p.VAR_KEYWORD for p in params):
-        for k in given:
+        for k in args:
             if k not in named:
                 close = difflib.get_close_matches(k, named, n=1, cutoff=0.0)
-                hint = f" (closest: '{close[0]}')" if close else f" (reward '{name}' takes no args)"
-                raise ConfigError(f"unknown key '{key}.args.{k}' for reward '{name}'{hint}")
+                hint = f" (closest: '{close[0]}')" if close else f" ({what} takes no args)"
+                raise ConfigError(f"unknown key '{key}.{k}' for {what}{hint}")
     for p in params:
         if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) \
                 and p.name not in args and p.name != "device":
-            raise ConfigError(f"missing required key '{key}.args.{p.name}' for reward '{name}'")
+            raise ConfigError(f"missing required key '{key}.{p.name}' for {what}")
+    if not (isinstance(obj, type) and issubclass(obj, Reward)):
+        return
+    for name_arg, args_arg, resolve in obj.components(args):
+        if name_arg is not None and not isinstance(args.get(name_arg, ""), str):
+            continue  # an object given from Python, not from a config
+        try:
+            component = resolve()
+        except (KeyError, ValueError, RegistryError) as err:
+            raise ConfigError(f"bad value for '{key}.{name_arg}': {one_line(err)}") from None
+        nested = args.get(args_arg) or {}
+        if not isinstance(nested, Mapping):
+            raise ConfigError(f"bad value for '{key}.{args_arg}': must be a mapping of arguments; got {nested!r}")
+        label = f"'{args[name_arg]}'" if name_arg in args else f"the {args_arg.removesuffix('_args')} of {what}"
+        _check_args(component, dict(nested), f"{key}.{args_arg}", label)
 
 
 class RewardZoo:
@@ -198,14 +218,18 @@ class RewardZoo:
             raise ValueError(f"max_workers must be >= 1 or None; got {max_workers}")
         self.names = [s.name for s in specs]
         self.weights = torch.tensor([float(s.weight) for s in specs], dtype=torch.float64)
+        for i, spec in enumerate(specs):  # every spec before any model loads
+            check_spec(spec.name, spec.args, f"rewards.{i}")
         self.slots = []
         for i, spec in enumerate(specs):
-            check_spec(spec.name, spec.args, f"rewards.{i}")
             args = dict(spec.args or {})
             device, clip, standardize = _zoo_args(args, f"rewards.{i}")
             reward_args = {k: v for k, v in args.items() if k not in ZOO_ARGS}
-            self.slots.append(_Slot(spec.name, build_reward(spec.name, reward_args, device), device, clip,
-                                    standardize))
+            try:
+                reward = build_reward(spec.name, reward_args, device)
+            except (TypeError, ValueError) as err:  # a value the constructor refused (a range, a choice)
+                raise ConfigError(f"bad value in 'rewards.{i}' ({spec.name}): {one_line(err)}") from err
+            self.slots.append(_Slot(spec.name, reward, device, clip, standardize))
         self.rewards = [slot.reward for slot in self.slots]
         self.evaluation_names = [slot.name for slot in self.slots if evaluated(slot.reward)]
         """The rewards held-out evaluation scores: all but the ``rollout_only`` and the groupwise ones."""

@@ -212,6 +212,36 @@ def test_bad_zoo_args_are_named(mod):
         RewardZoo([spec("Counting")], max_workers=0)
 
 
+def test_every_spec_is_checked_before_any_reward_is_built(mod):
+    mod.BUILT.clear()
+    with pytest.raises(ConfigError, match="unknown key 'rewards.1.args.qualty' .*closest: 'quality'"):
+        RewardZoo([spec("Counting"), RewardSpec(name="jpeg_compressibility", args={"qualty": 90})])
+    assert mod.BUILT == []
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("win_rate", {"base": "clip_scor"}, r"bad value for 'rewards.0.args.base': unknown reward 'clip_scor'; did you mean"),
+    ("win_rate", {"base": "sharpness", "base_args": {"saturate": 1}},
+     r"unknown key 'rewards.0.args.base_args.saturate' for 'sharpness' \(closest: 'saturate_at'\)"),
+    ("win_rate", {"base": "sharpness", "base_args": [1]}, r"'rewards.0.args.base_args': must be a mapping"),
+    ("video_frames", {"image_reward": "win_rate", "image_reward_args": {"base": "sharpness", "base_args": {"x": 1}}},
+     r"unknown key 'rewards.0.args.image_reward_args.base_args.x' for 'sharpness'"),
+    ("vlm_judge", {"backend": "openai", "backend_args": {"url": "http://x"}},
+     r"unknown key 'rewards.0.args.backend_args.url' for 'openai' \(closest: 'base_url'\)"),
+    ("vlm_judge", {"backend_args": {}}, r"missing required key 'rewards.0.args.backend_args.model' for the backend"),
+    ("vlm_judge", {"backend": "vllm"}, r"bad value for 'rewards.0.args.backend': backend must be one of"),
+    ("temporal_bonus", {"accuracy_args": {"bogus": 1}}, r"unknown key 'rewards.0.args.accuracy_args.bogus'"),
+])
+def test_nested_reward_args_are_checked_and_named(name, args, message):
+    with pytest.raises(ConfigError, match=message):
+        RewardZoo([RewardSpec(name=name, args=args)])
+
+
+def test_a_value_the_constructor_refuses_is_a_config_error_naming_the_spec():
+    with pytest.raises(ConfigError, match=r"bad value in 'rewards.0' \(win_rate\): win_rate: margin must be >= 0"):
+        RewardZoo([RewardSpec(name="win_rate", args={"base": "sharpness", "margin": -1.0})])
+
+
 def test_nan_counts_and_a_single_warning_for_an_all_nan_reward(mod):
     zoo = RewardZoo([spec("all_nan"), spec("fixed")])
     with pytest.warns(RuntimeWarning, match="reward 'zoo_test_rewards:all_nan' returned NaN .* all 4 samples"):
