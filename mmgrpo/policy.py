@@ -7,6 +7,7 @@ reference. A *unit* is whatever one log-prob belongs to: a denoising step (flow)
 
 from __future__ import annotations
 
+import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -188,6 +189,18 @@ class PipelineSpec:
     build: Callable[[Any], Policy]
     """``build(cfg) -> Policy``."""
     description: str = ""
+
+
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` without grad, in eval mode: the KL reference of a full fine-tune.
+
+    Refuses weights that DeepSpeed ZeRO-3 partitioned while loading (``zero3_init_flag: true``): their copy would
+    hold this process's shards only, which no engine gathers."""
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        raise ConfigError("the KL reference of a full fine-tune is a copy of the loaded weights, which DeepSpeed "
+                          "ZeRO-3 partitioned at load: set 'zero3_init_flag: false' in the accelerate config "
+                          "(configs/accelerate/deepspeed_zero3.yaml does), use LoRA, or set grpo.kl_beta=0")
+    return copy.deepcopy(module).requires_grad_(False).eval()
 
 
 def update_sizes(n: int, micro_batch_size: int, updates_per_rollout: int) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, gather_object, set_seed
+from accelerate.utils import DeepSpeedPlugin, DistributedType, gather_object, set_seed
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -48,8 +48,18 @@ def make_accelerator(cfg: BaseConfig) -> Accelerator:
     """An Accelerator for this run. On a machine without CUDA it runs on CPU (gloo for several processes).
 
     The LR scheduler is stepped exactly once per optimiser step whatever the process count."""
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.mixed_precision,
-                       step_scheduler_with_optimizer=False)
+    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.mixed_precision,
+                      step_scheduler_with_optimizer=False)
+    if acc.state.deepspeed_plugin is not None:
+        clip_in_deepspeed(acc.state.deepspeed_plugin, cfg.optim.max_grad_norm)
+    return acc
+
+
+def clip_in_deepspeed(plugin: DeepSpeedPlugin, max_grad_norm: float) -> None:
+    """Make the DeepSpeed engine clip at ``max_grad_norm`` (0 = no clipping), replacing the launcher file's
+    ``gradient_clipping``: under DeepSpeed the engine clips, and accelerate's ``clip_grad_norm_`` only reads the
+    norm back. Call before ``prepare``."""
+    plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm)
 
 
 def sharded_parameters(acc: Accelerator) -> bool:

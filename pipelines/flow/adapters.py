@@ -24,7 +24,6 @@ config with :func:`load_adapter`.
 from __future__ import annotations
 
 import contextlib
-import copy
 import difflib
 import functools
 import importlib.util
@@ -43,6 +42,7 @@ from torch import Tensor, nn
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.flow.config import FlowModelConfig
 from mmgrpo.pipelines.flow.tiny import KINDS, tiny_path
+from mmgrpo.policy import frozen_copy
 from mmgrpo.registry import MODEL_ADAPTERS, RegistryError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -259,8 +259,8 @@ class FlowAdapter:
         self.attention_backend = backends["transformer"]  # the parts are one model class: the same backend
         self._reference: nn.Module | None = None
         if keep_reference and not self.is_lora:
-            self._reference = self._assemble({n: copy.deepcopy(m).requires_grad_(False).eval()
-                                              if n in self.trained_parts else m for n, m in self.parts.items()})
+            self._reference = self._assemble({n: frozen_copy(m) if n in self.trained_parts else m
+                                              for n, m in self.parts.items()})
         if cfg.gradient_checkpointing:
             for name in self.trained_parts:
                 self.parts[name].enable_gradient_checkpointing()

@@ -8,7 +8,6 @@ models (``tiny:qwen2_vl``, ``tiny:qwen2_5_vl``) are loaded through exactly the s
 from __future__ import annotations
 
 import contextlib
-import copy
 import re
 import warnings
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.data import chat_content
 from mmgrpo.pipelines.vlm.tiny import KINDS, tiny_path
+from mmgrpo.policy import frozen_copy
 from mmgrpo.registry import MODEL_ADAPTERS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -149,7 +149,7 @@ class VLMModel:
                 warnings.filterwarnings("ignore", ".*is_gradient_checkpointing.*", FutureWarning)
                 model = get_peft_model(model, lora)
         elif keep_reference:
-            self.reference_model = copy.deepcopy(model).requires_grad_(False).eval()
+            self.reference_model = frozen_copy(model)
         self.model: nn.Module = model
 
         vocab = self.tokenizer.get_vocab()

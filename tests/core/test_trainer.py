@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from accelerate.utils import DeepSpeedPlugin
 from safetensors.torch import load_file
 from toy_bandit import ToyConfig
 
 from mmgrpo.cli import _policy_and_weights
 from mmgrpo.config import ConfigError, load_config
-from mmgrpo.policy import rows_after_first_update, update_sizes
+from mmgrpo.policy import frozen_copy, rows_after_first_update, update_sizes
 from mmgrpo.tracking import read_metrics
-from mmgrpo.trainer import Trainer
+from mmgrpo.trainer import Trainer, clip_in_deepspeed
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot_every=0"]
@@ -68,6 +69,24 @@ def test_inner_epochs_and_updates_count_optimiser_steps(tmp_path):
     assert [r["inner_epoch"] for r in history] == [0, 0, 1, 1] * 2
     # later updates of an iteration are off-policy: their ratios move away from 1
     assert history[1]["ratio/max_dev"] > 0 and history[0]["ratio/onpolicy_max_dev"] == 0
+
+
+def test_deepspeed_clips_at_the_runs_max_grad_norm():
+    plugin = DeepSpeedPlugin(zero_stage=2, gradient_clipping=1.0)  # what a launcher config file sets
+    clip_in_deepspeed(plugin, 5.0)
+    assert plugin.deepspeed_config["gradient_clipping"] == 5.0
+
+
+def test_frozen_copy_is_a_frozen_equal_copy_and_refuses_zero3_shards():
+    module = torch.nn.Linear(3, 2)
+    ref = frozen_copy(module)
+    assert not ref.training and not any(p.requires_grad for p in ref.parameters())
+    assert all(p.requires_grad for p in module.parameters())
+    for a, b in zip(module.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    module.weight.ds_id = 0  # the attribute ZeRO-3 puts on the parameters it partitions at load
+    with pytest.raises(ConfigError, match="DeepSpeed ZeRO-3 partitioned at load: set 'zero3_init_flag: false'"):
+        frozen_copy(module)
 
 
 def test_update_sizes_deal_micro_batches_evenly():
