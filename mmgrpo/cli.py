@@ -139,12 +139,13 @@ def cmd_rewards(args: argparse.Namespace) -> int:
     from mmgrpo.registry import REWARDS
 
     table = Table(title="registered rewards")
-    for col in ("name", "kind", "modality", "description"):
+    for col in ("name", "kind", "modality", "description", "source"):
         table.add_column(col)
     for entry in REWARDS:
         info = entry.info
         table.add_row(entry.name, info.get("kind", "pointwise"), info.get("modality", "any"),
-                      escape(info.get("description", "")))  # "[lo, hi]" is text, not rich markup
+                      escape(info.get("description", "")),  # "[lo, hi]" is text, not rich markup
+                      escape(info.get("source", "built-in")))
     Console(width=160).print(table)
     return 0
 

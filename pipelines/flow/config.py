@@ -96,13 +96,16 @@ class FlowModeConfig:
 
     name: str = "flow_grpo"
     """Rollout mode (registry ``ROLLOUT_MODES``): flow_grpo, dance_grpo, fast (Flow-GRPO-Fast), mixgrpo,
-    mixgrpo_flash, branch (BranchGRPO) or tempflow (TempFlow-GRPO)."""
+    mixgrpo_flash, branch (BranchGRPO) or tempflow (TempFlow-GRPO). branch computes its own advantages (per-depth
+    z-scores of the backed-up weighted-sum reward), so it refuses ``reward_aggregation: gdpo`` and
+    ``grpo.adv_batch_norm``, and ignores ``grpo.advantage``."""
     train_fraction: float = 0.9
     """flow_grpo: fraction of the first steps that are trained. dance_grpo: fraction trained per sample."""
     window_size: int = 4
     """mixgrpo / flash / fast: SDE steps in the sliding window. branch with branch_variant=mix: the SDE window
     is steps [0, window_size) (plus the split steps). mixgrpo, flash and branch-mix need 1 <= window_size <=
-    sampling.num_steps (fast: at most fast_within of it)."""
+    sampling.num_steps (fast: at most fast_within of it). MixGRPO publishes 4; Flow-GRPO-Fast uses 3, so set
+    ``mode.window_size: 3`` with ``mode.name: fast``."""
     shift_interval: int = 25
     """mixgrpo / flash: iterations between window moves."""
     window_stride: int = 1
@@ -168,10 +171,16 @@ class FlowConfig(BaseConfig):
         """Value checks run when the config is loaded, before any model is: the model type, dtypes, a local
         model folder that does not exist, and every ``mode.*`` / ``sampling.sde`` setting (by building the
         rollout mode)."""
-        from .adapters import adapter_class
+        from .adapters import TRAIN_EXPERTS, WanAdapter, adapter_class
         from .modes import build_mode
 
-        adapter_class(self.model.type)
+        adapter = adapter_class(self.model.type)
+        if self.model.train_experts not in TRAIN_EXPERTS:
+            raise ConfigError(f"bad value '{self.model.train_experts}' for 'model.train_experts': expected one of "
+                              f"{', '.join(TRAIN_EXPERTS)}")
+        if self.model.guidance_scale_2 is not None and not issubclass(adapter, WanAdapter):
+            raise ConfigError(f"bad value for 'model.guidance_scale_2': {self.model.guidance_scale_2} (model.type "
+                              f"'{self.model.type}' has no low-noise expert; only Wan2.2 A14B uses it)")
         dtypes = {"model.dtype": self.model.dtype, "sampling.latent_dtype": self.sampling.latent_dtype}
         for key, value in dtypes.items():
             if value not in DTYPES:
@@ -189,6 +198,12 @@ class FlowConfig(BaseConfig):
             raise ConfigError("bad value for 'model.max_sequence_length': must be >= 1 (null: the default)")
         if self.model.lora_rank < 0:
             raise ConfigError("bad value for 'model.lora_rank': must be >= 0 (0 trains the full transformer)")
+        if self.mode.name == "branch":
+            refused = {"reward_aggregation": self.reward_aggregation == "gdpo", "grpo.adv_batch_norm":
+                       self.grpo.adv_batch_norm}
+            for key in (k for k, on in refused.items() if on):
+                raise ConfigError(f"bad value for '{key}': mode branch computes its own advantages (per-depth "
+                                  "z-scores of the backed-up weighted-sum reward)")
         build_mode(self)
 
 

@@ -175,3 +175,10 @@ class VLMConfig(BaseConfig):
     tgrpo: TGRPOConfig = field(default_factory=TGRPOConfig)
     prefix_grouper: bool = True
     """Training forward encodes each group's shared prompt (text + vision tokens) once (Prefix Grouper)."""
+
+    def validate(self) -> None:
+        """Value checks run when the config is loaded, before any model or data is read; whether the rollout
+        backend can run on this machine is checked when the policy is built."""
+        from .policy import check_config
+
+        check_config(self, runnable_here=False)

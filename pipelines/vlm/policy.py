@@ -98,11 +98,13 @@ def media_type(sample: VLMSample) -> str:
     return "video" if sample.videos else "image" if sample.images else "text"
 
 
-def check_config(cfg: VLMConfig) -> None:
-    """Raise ConfigError naming the key of a value the vlm policy cannot run with."""
+def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
+    """Raise ConfigError naming the key of a value the vlm policy cannot run with. ``VLMConfig.validate`` runs it
+    when the config loads; with ``runnable_here`` (when the policy is built) it also checks that the rollout
+    backend can run on this machine (vLLM needs its package and a CUDA GPU)."""
     gen = cfg.generation
     if gen.backend == "vllm":
-        reason = backend_unavailable()
+        reason = backend_unavailable() if runnable_here else None
         if reason is not None:
             raise ConfigError(f"bad value 'vllm' for 'generation.backend': the vLLM rollout backend is not "
                               f"available here: {reason}; use 'hf'")

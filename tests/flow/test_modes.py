@@ -112,6 +112,12 @@ def test_branch_plan_trains_owned_nodes_with_depth_pruning():
     (["mode.timestep_weighting=loud"], "mode.timestep_weighting"),
     (["model.path=/no/such/model"], "model.path"),
     (["sampling.latent_dtype=int8"], "sampling.latent_dtype"),
+    (["model.guidance_scale_2=3.0"], "model.guidance_scale_2"),  # an SD3 preset: no low-noise expert
+    (["model.train_experts=hi"], "model.train_experts"),
+    (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4", "reward_aggregation=gdpo"],
+     "reward_aggregation"),  # the tree computes its own advantages
+    (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4", "grpo.adv_batch_norm=true"],
+     "grpo.adv_batch_norm"),
 ])
 def test_bad_mode_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):

@@ -188,10 +188,13 @@ def plugin_package(tmp_path, monkeypatch):
 
 def test_entry_point_rewards_keep_kind_and_modality(plugin_package, capsys):
     assert cli_main(["rewards"]) == 0
-    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:5]]
-            for line in capsys.readouterr().out.splitlines() if re.match(r"│ plugin_", line)}
-    assert rows == {"plugin_brightest": ["groupwise", "image", "1 for the brightest in its group"],
-                    "plugin_darkness": ["pointwise", "image", ""]}
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:6]]
+            for line in out.splitlines() if re.match(r"│ plugin_", line)}
+    assert rows == {"plugin_brightest": ["groupwise", "image", "1 for the brightest in its group",
+                                         "entry point plugin_rewards_mod:brightest"],
+                    "plugin_darkness": ["pointwise", "image", "", "entry point plugin_rewards_mod:Darkness"]}
+    assert re.search(r"│ format .*│ built-in +│", out)
     assert REWARDS.entry("plugin_darkness").info["source"] == "entry point plugin_rewards_mod:Darkness"
     brightest = build_reward("plugin_brightest")
     assert isinstance(brightest, FunctionReward) and (brightest.kind, brightest.modality) == ("groupwise", "image")

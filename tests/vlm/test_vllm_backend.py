@@ -288,7 +288,7 @@ def test_lora_weights_are_merged_under_the_base_checkpoint_names(kind, freeze_vi
 # ---------------------------------------------------------------------------------------------- errors
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_backend_vllm_without_vllm_is_a_one_line_config_error(tmp_path):
-    cfg = config(tmp_path, overrides=("generation.backend=vllm",))
+    cfg = config(tmp_path, overrides=("generation.backend=vllm",))  # loads: a GPU machine may run it
     for attempt in (lambda: check_config(cfg), lambda: VLMPolicy(cfg), lambda: vb.import_vllm(),
                     lambda: vb.VLLMSampler(cfg, None, {})):
         with pytest.raises(ConfigError) as err:
@@ -297,7 +297,9 @@ def test_backend_vllm_without_vllm_is_a_one_line_config_error(tmp_path):
         assert "'generation.backend'" in message and "not available" in message and "vllm" in message
         assert "\n" not in message and not isinstance(err.value, ImportError)
     with pytest.raises(ConfigError, match="expected hf or vllm"):
-        check_config(config(tmp_path, overrides=("generation.backend=sglang",)))
+        config(tmp_path, overrides=("generation.backend=sglang",))  # value checks run when the config loads
+    with pytest.raises(ConfigError, match="'generation.vllm_gpu_memory_utilization'"):
+        config(tmp_path, overrides=("generation.backend=vllm", "generation.vllm_gpu_memory_utilization=2"))
 
 
 def test_vllm_option_ranges(tmp_path):
