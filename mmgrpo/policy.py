@@ -189,6 +189,20 @@ class PipelineSpec:
     build: Callable[[Any], Policy]
     """``build(cfg) -> Policy``."""
     description: str = ""
+    shardable: bool = True
+    """Whether the policy trains with parameters sharded over processes (FSDP, DeepSpeed ZeRO-3): every process
+    must then run the same forwards, since each one gathers shards from all of them."""
+
+
+def check_sharding(cfg: Any, sharded: bool) -> None:
+    """ConfigError when the run shards the parameters (``sharded``) and the pipeline ``cfg.pipeline`` cannot
+    train that way; called before any weights load."""
+    from mmgrpo.registry import PIPELINES
+
+    if sharded and not PIPELINES.get(cfg.pipeline).shardable:
+        raise ConfigError(f"pipeline '{cfg.pipeline}' cannot train with sharded parameters (FSDP, DeepSpeed ZeRO-3): "
+                          "its sampling runs a different number of forwards on each process; launch with DDP or "
+                          "ZeRO-2 (configs/accelerate/ddp.yaml, deepspeed_zero2.yaml)")
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:

@@ -38,7 +38,7 @@ from mmgrpo.grpo import (
     ratio_stats,
     weighted_reward,
 )
-from mmgrpo.policy import Policy, Rollout, build_policy, update_sizes
+from mmgrpo.policy import Policy, Rollout, build_policy, check_sharding, update_sizes
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
@@ -51,15 +51,17 @@ def make_accelerator(cfg: BaseConfig) -> Accelerator:
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.mixed_precision,
                       step_scheduler_with_optimizer=False)
     if acc.state.deepspeed_plugin is not None:
-        clip_in_deepspeed(acc.state.deepspeed_plugin, cfg.optim.max_grad_norm)
+        configure_deepspeed(acc.state.deepspeed_plugin, cfg)
     return acc
 
 
-def clip_in_deepspeed(plugin: DeepSpeedPlugin, max_grad_norm: float) -> None:
-    """Make the DeepSpeed engine clip at ``max_grad_norm`` (0 = no clipping), replacing the launcher file's
-    ``gradient_clipping``: under DeepSpeed the engine clips, and accelerate's ``clip_grad_norm_`` only reads the
-    norm back. Call before ``prepare``."""
-    plugin.deepspeed_config["gradient_clipping"] = float(max_grad_norm)
+def configure_deepspeed(plugin: DeepSpeedPlugin, cfg: BaseConfig) -> None:
+    """Fill the DeepSpeed config from the run's, before ``prepare``, replacing the launcher file's values:
+    ``gradient_clipping`` = ``optim.max_grad_norm`` (0 = none; under DeepSpeed the engine clips, and accelerate's
+    ``clip_grad_norm_`` only reads the norm back), and ``train_micro_batch_size_per_gpu`` = ``train.micro_batch_size``
+    (accelerate reads it from a dataloader, and the trainer prepares none)."""
+    plugin.deepspeed_config["gradient_clipping"] = float(cfg.optim.max_grad_norm)
+    plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = int(cfg.train.micro_batch_size)
 
 
 def sharded_parameters(acc: Accelerator) -> bool:
@@ -81,6 +83,8 @@ class Trainer:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         set_seed(cfg.seed, device_specific=True)
+        if policy is None:
+            check_sharding(cfg, sharded_parameters(acc))
         self.policy = policy if policy is not None else build_policy(cfg)
         self.rewards = RewardZoo(cfg.rewards)
         self.loss_fn = POLICY_LOSSES.get(cfg.grpo.loss)

@@ -18,12 +18,15 @@ from toy_bandit import ToyConfig
 
 from mmgrpo.cli import _policy_and_weights
 from mmgrpo.config import ConfigError, load_config
-from mmgrpo.policy import frozen_copy, rows_after_first_update, update_sizes
+from mmgrpo.policy import check_sharding, frozen_copy, rows_after_first_update, update_sizes
 from mmgrpo.tracking import read_metrics
-from mmgrpo.trainer import Trainer, clip_in_deepspeed
+from mmgrpo.trainer import Trainer, configure_deepspeed
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot_every=0"]
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def toy(tmp_path, *overrides):
@@ -71,10 +74,22 @@ def test_inner_epochs_and_updates_count_optimiser_steps(tmp_path):
     assert history[1]["ratio/max_dev"] > 0 and history[0]["ratio/onpolicy_max_dev"] == 0
 
 
-def test_deepspeed_clips_at_the_runs_max_grad_norm():
+def test_deepspeed_takes_the_runs_clipping_and_micro_batch(tmp_path):
     plugin = DeepSpeedPlugin(zero_stage=2, gradient_clipping=1.0)  # what a launcher config file sets
-    clip_in_deepspeed(plugin, 5.0)
+    assert plugin.is_auto("train_micro_batch_size_per_gpu")  # accelerate's prepare refuses it without a dataloader
+    configure_deepspeed(plugin, toy(tmp_path, "optim.max_grad_norm=5.0", "train.micro_batch_size=2"))
     assert plugin.deepspeed_config["gradient_clipping"] == 5.0
+    assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
+
+
+def test_sharded_parameters_are_refused_by_the_vlm_pipeline_only(tmp_path):
+    vlm = load_config(ROOT / "configs" / "vlm" / "tiny_image.yaml", [f"output_dir={tmp_path}"])
+    flow = load_config(ROOT / "configs" / "flow" / "tiny_flowgrpo.yaml", [f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="pipeline 'vlm' cannot train with sharded parameters .*launch with DDP or "
+                                          "ZeRO-2"):
+        check_sharding(vlm, sharded=True)
+    check_sharding(vlm, sharded=False)
+    check_sharding(flow, sharded=True)
 
 
 def test_frozen_copy_is_a_frozen_equal_copy_and_refuses_zero3_shards():
