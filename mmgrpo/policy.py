@@ -205,6 +205,16 @@ def check_sharding(cfg: Any, sharded: bool) -> None:
                           "ZeRO-2 (configs/accelerate/ddp.yaml, deepspeed_zero2.yaml)")
 
 
+def check_even_eval_split(num_items: int, num_processes: int, sharded: bool) -> None:
+    """ConfigError when sharded parameters (``sharded``: FSDP, ZeRO-3) meet held-out items that do not split
+    evenly over the processes: each process samples its share, and with sharded weights every process must run the
+    same forwards."""
+    if sharded and num_items % num_processes:
+        raise ConfigError(f"bad value for 'data.num_eval': {num_items} held-out items do not split evenly over "
+                          f"{num_processes} processes, which sharded parameters (FSDP, ZeRO-3) need; use a "
+                          f"multiple of {num_processes}")
+
+
 def frozen_copy(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` without grad, in eval mode: the KL reference of a full fine-tune.
 

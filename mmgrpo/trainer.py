@@ -38,7 +38,7 @@ from mmgrpo.grpo import (
     ratio_stats,
     weighted_reward,
 )
-from mmgrpo.policy import Policy, Rollout, build_policy, check_sharding, update_sizes
+from mmgrpo.policy import Policy, Rollout, build_policy, check_even_eval_split, check_sharding, update_sizes
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
@@ -106,6 +106,7 @@ class Trainer:
         acc.register_load_state_pre_hook(self._load_hook)
 
         self.train_items, self.eval_items = self.policy.datasets()
+        check_even_eval_split(len(self.eval_items), acc.num_processes, sharded_parameters(acc))
         self.sampler = GroupSampler(len(self.train_items), cfg.train.prompts_per_step, acc.num_processes,
                                     acc.process_index, cfg.seed)
         self.step = 0

@@ -18,7 +18,13 @@ from toy_bandit import ToyConfig
 
 from mmgrpo.cli import _policy_and_weights
 from mmgrpo.config import ConfigError, load_config
-from mmgrpo.policy import check_sharding, frozen_copy, rows_after_first_update, update_sizes
+from mmgrpo.policy import (
+    check_even_eval_split,
+    check_sharding,
+    frozen_copy,
+    rows_after_first_update,
+    update_sizes,
+)
 from mmgrpo.tracking import read_metrics
 from mmgrpo.trainer import Trainer, configure_deepspeed
 
@@ -90,6 +96,10 @@ def test_sharded_parameters_are_refused_by_the_vlm_pipeline_only(tmp_path):
         check_sharding(vlm, sharded=True)
     check_sharding(vlm, sharded=False)
     check_sharding(flow, sharded=True)
+    with pytest.raises(ConfigError, match="'data.num_eval': 10 held-out items do not split evenly over 4 processes"):
+        check_even_eval_split(10, 4, sharded=True)
+    check_even_eval_split(10, 4, sharded=False)  # DDP: every process holds whole weights
+    check_even_eval_split(12, 4, sharded=True)
 
 
 def test_frozen_copy_is_a_frozen_equal_copy_and_refuses_zero3_shards():
