@@ -435,16 +435,20 @@ class FlowPolicy(Policy):
 
         Chains: one step per pass (every row owns every step). Trees: consecutive steps are packed while the
         transitions a first-epoch micro-batch owns at them fit one micro-batch (a tree's node owns few
-        rows)."""
+        rows), counted as the most any process owns (width pruning differs between processes), so that every
+        process runs the same passes: FSDP and ZeRO-3 gather shards from all processes in every forward."""
         num_units = rollout.old_logp.shape[1]
         if "tree_plan" not in rollout.data:
             return [torch.tensor([u]) for u in range(num_units)]
         mb = self.cfg.train.micro_batch_size
         mask = rollout.mask.cpu()
-        owned = torch.stack([mask[c].sum(dim=0) for c in self._chunks(len(rollout))])
+        owned = torch.stack([mask[c].sum(dim=0) for c in self._chunks(len(rollout))]).max(dim=0).values
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            owned = owned.to(self.device)
+            torch.distributed.all_reduce(owned, op=torch.distributed.ReduceOp.MAX)
         chunks: list[list[int]] = [[]]
         load = 0
-        for u, n in enumerate(owned.max(dim=0).values.tolist()):
+        for u, n in enumerate(owned.tolist()):
             if chunks[-1] and load + n > mb:
                 chunks.append([])
                 load = 0
