@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mmgrpo.config import ConfigError, load_config
+from mmgrpo.policy import RunError
 from mmgrpo.registry import RegistryError
 
 DEMO_MISSING = """\
@@ -257,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RunError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -142,16 +142,26 @@ def is_trl_signature(fn: Callable) -> bool:
 def as_scores(output: Any, n: int, name: str) -> dict[str, torch.Tensor]:
     """Normalise what a reward returned into ``{sub_name: (n,) float64 cpu tensor}``; ``None`` becomes NaN.
 
-    A single score vector becomes ``{name: scores}``; a dict becomes ``{name/key: scores}``."""
+    A single score vector becomes ``{name: scores}``; a dict becomes ``{name/key: scores}``. Anything else (not
+    numbers, the wrong count, an infinite score) is a one-line ``ValueError`` naming the reward: NaN means "does not
+    apply", but an infinite score has no meaning and would turn the advantages into NaN."""
     items = output.items() if isinstance(output, dict) else [(None, output)]
     scores = {}
     for key, value in items:
-        if not torch.is_tensor(value):
-            value = [math.nan if v is None else v for v in value]
-        t = torch.as_tensor(value, dtype=torch.float64).detach().to("cpu").reshape(-1)
+        sub = name if key is None else f"{name}/{key}"
+        try:
+            if not torch.is_tensor(value):
+                value = [math.nan if v is None else v for v in value]
+            t = torch.as_tensor(value, dtype=torch.float64).detach().to("cpu").reshape(-1)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"reward '{sub}' returned {type(value).__name__}, not numbers (one per sample): "
+                             f"{str(err).splitlines()[0]}") from None
         if t.numel() != n:
-            raise ValueError(f"reward '{name}' returned {t.numel()} scores for a batch of {n}")
-        scores[name if key is None else f"{name}/{key}"] = t
+            raise ValueError(f"reward '{sub}' returned {t.numel()} scores for a batch of {n}")
+        if t.isinf().any():
+            raise ValueError(f"reward '{sub}' returned an infinite score for {int(t.isinf().sum())} of {n} samples "
+                             "(return NaN for a sample it does not apply to)")
+        scores[sub] = t
     return scores
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from mmgrpo.config import ConfigError
+from mmgrpo.policy import RunError
 from mmgrpo.registry import REWARDS, RegistryError
 
 from .base import (
@@ -53,7 +54,7 @@ ZOO_ARGS = ("device", "clip", "standardize")
 STD_EPS = 1e-8
 
 
-class RewardError(RuntimeError):
+class RewardError(RunError):
     """A reward raised while scoring; ``str()`` is one line that names the reward."""
 
 
@@ -254,7 +255,11 @@ class RewardZoo:
                 output = slot.reward(batch)
             except Exception as err:
                 raise RewardError(f"reward '{slot.name}' failed: {type(err).__name__}: {one_line(err)}") from err
-        return as_scores(output, len(batch), slot.name), time.perf_counter() - start
+        try:
+            scores = as_scores(output, len(batch), slot.name)
+        except ValueError as err:
+            raise RewardError(str(err)) from None
+        return scores, time.perf_counter() - start
 
     def __call__(self, batch: RewardBatch, only: Sequence[str] | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:

@@ -38,7 +38,7 @@ from mmgrpo.pipelines.vlm.vllm_backend import (
     media_limits,
 )
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
-from mmgrpo.policy import LogProbs, Policy, Rollout
+from mmgrpo.policy import LogProbs, Policy, Rollout, RunError
 from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
 from mmgrpo.rewards.text_rules import PROBLEM_TYPES
@@ -56,7 +56,7 @@ class PromptTooLong(ValueError):
     """A prompt whose text plus vision tokens exceed ``data.max_prompt_tokens``."""
 
 
-class BadItem(RuntimeError):
+class BadItem(RunError):
     """An item that cannot be rolled out while ``data.on_bad_media`` is ``error``."""
 
 
@@ -246,7 +246,7 @@ class VLMPolicy(Policy):
             draws = 0
             while prepared is None:
                 if draws == REPLACEMENT_DRAWS or not self.train_items:
-                    raise RuntimeError(f"no valid training item found in {draws} random draws to replace a skipped "
+                    raise RunError(f"no valid training item found in {draws} random draws to replace a skipped "
                                        f"one; {len(self._bad)} items are bad so far (see the warnings)")
                 index = int(torch.randint(len(self.train_items), (1,), generator=generator))
                 prepared = self._try_prepare(self.train_items[index], counters)

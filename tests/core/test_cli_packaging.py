@@ -79,6 +79,24 @@ def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, support_env):
     assert missing.returncode == 2 and "no checkpoint" in missing.stderr
 
 
+def test_a_failing_reward_stops_the_run_with_one_line(tmp_path, support_env):
+    import os
+
+    import yaml
+
+    (tmp_path / "failing_reward.py").write_text("def fn(batch):\n    raise ValueError('the judge is down')\n")
+    preset = tmp_path / "toy.yaml"
+    preset.write_text(yaml.safe_dump({"pipeline": "toy_bandit:PIPELINE", "output_dir": str(tmp_path / "run"),
+                                      "rewards": [{"name": "failing_reward:fn"}], "train": {"max_steps": 2},
+                                      "logging": {"tensorboard": False}}))
+    env = {**support_env, "PYTHONPATH": f"{tmp_path}{os.pathsep}{support_env['PYTHONPATH']}"}
+    failed = run("train", str(preset), env=env)
+    assert failed.returncode == 1
+    assert failed.stderr.strip().splitlines()[-1] == ("error: reward 'failing_reward:fn' failed: ValueError: the "
+                                                      "judge is down")
+    assert "Traceback" not in failed.stderr
+
+
 def test_demo_says_where_it_runs_and_fails_when_its_asset_is_missing(monkeypatch, capsys):
     import dataclasses
 

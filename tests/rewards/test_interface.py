@@ -13,6 +13,7 @@ from mmgrpo.config import RewardSpec
 from mmgrpo.registry import REWARDS
 from mmgrpo.rewards import FunctionReward, RewardBatch, RewardZoo, build_reward
 from mmgrpo.rewards.base import is_trl_signature
+from mmgrpo.rewards.zoo import RewardError
 
 USER_MODULE = '''
 import torch
@@ -47,6 +48,14 @@ def with_nan(batch):
 
 def wrong_length(batch):
     return [1.0, 2.0, 3.0]
+
+
+def infinite(batch):
+    return [1.0, float("inf")]
+
+
+def words(batch):
+    return ["good", "bad"]
 '''
 
 
@@ -108,9 +117,15 @@ def test_nan_passes_through(user_module):
     assert math.isnan(logged[f"{user_module}:with_nan"][0])
 
 
-def test_wrong_length_output_is_a_clear_error(user_module):
-    with pytest.raises(ValueError, match=f"reward '{user_module}:wrong_length' returned 3 scores for a batch of 2"):
-        zoo(f"{user_module}:wrong_length")(batch2())
+@pytest.mark.parametrize(("fn", "message"), [
+    ("wrong_length", "returned 3 scores for a batch of 2"),
+    ("infinite", r"returned an infinite score for 1 of 2 samples \(return NaN"),
+    ("words", "returned list, not numbers"),
+])
+def test_malformed_output_is_a_one_line_reward_error(user_module, fn, message):
+    with pytest.raises(RewardError, match=f"^reward '{user_module}:{fn}' {message}") as err:
+        zoo(f"{user_module}:{fn}")(batch2())
+    assert "\n" not in str(err.value)
 
 
 def test_builtin_rewards_mix_in_one_zoo():
