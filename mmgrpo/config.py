@@ -217,8 +217,23 @@ def key_docs(schema: type, prefix: str = "") -> dict[str, str]:
 
 
 def _closest(key: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.0)
-    return f" (closest valid key: '{close[0]}')" if close else ""
+    """' (closest valid key: ...)' for an unknown dotted key, or '' when its first component is close to no top-level
+    key. Each component is corrected to the closest name at its level while one is close; the suggestion is the
+    valid key below the corrected part closest to the corrected key."""
+    parts, fixed = key.split("."), []
+    for part in parts:
+        prefix = "".join(f"{name}." for name in fixed)
+        names = {k[len(prefix):].split(".")[0] for k in candidates if k.startswith(prefix)}
+        close = difflib.get_close_matches(part, names, n=1)
+        if not close:
+            break
+        fixed.append(close[0])
+    if not fixed:
+        return ""
+    known = ".".join(fixed)
+    below = [k for k in candidates if k == known or k.startswith(known + ".")]
+    best = difflib.get_close_matches(".".join(fixed + parts[len(fixed):]), below, n=1, cutoff=0.0)[0]
+    return f" (closest valid key: '{best}')"
 
 
 def check_key(key: str, schema: type) -> None:
@@ -234,13 +249,18 @@ def check_key(key: str, schema: type) -> None:
     raise ConfigError(f"unknown key '{key}'{_closest(key, list(keys))}")
 
 
-def read_preset(path: str | os.PathLike) -> dict[str, Any]:
+def read_preset(path: str | os.PathLike, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a YAML preset and merge its ``base:`` chain (a path or list of paths, relative to the file).
 
-    Bases merge in order, then the file itself; nested mappings merge key by key and lists are replaced."""
+    Bases merge in order, then the file itself; nested mappings merge key by key and lists are replaced. ``chain``
+    holds the presets whose bases led here, for the messages about a missing base or a cycle."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+        raise ConfigError(f"config file not found: {path}" + (f" (the base of {chain[-1]})" if chain else ""))
+    resolved = [p.resolve() for p in chain]
+    if path.resolve() in resolved:
+        cycle = [*chain[resolved.index(path.resolve()):], path]
+        raise ConfigError(f"'base:' cycle in presets: {' -> '.join(map(str, cycle))}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
@@ -248,13 +268,28 @@ def read_preset(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of config keys, not {type(data).__name__}")
     bases = data.pop("base", None) or []
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
+        raise ConfigError(f"bad value for 'base' in {path}: expected a file path or a list of file paths")
     merged = OmegaConf.create()
-    for base in [bases] if isinstance(bases, str) else bases:
-        merged = OmegaConf.merge(merged, read_preset(path.parent / base))
+    for base in bases:
+        merged = OmegaConf.merge(merged, read_preset(path.parent / base, (*chain, path)))
     try:
         return OmegaConf.to_container(OmegaConf.merge(merged, data))
     except (OmegaConfBaseException, TypeError, ValueError) as err:
         raise ConfigError(f"{path} does not merge onto its base: {' '.join(str(err).split())}") from err
+
+
+def check_sections(data: dict, schema: type, prefix: str = "") -> None:
+    """Raise ConfigError naming the first key of ``data`` (nested dicts of a preset) that holds something other than
+    a mapping where ``schema`` has a section."""
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(field_type(key, schema)):
+            if not isinstance(value, dict):
+                raise ConfigError(f"bad value for '{key}': expected a mapping of its keys (a section), got "
+                                  f"{value!r}")
+            check_sections(value, schema, key + ".")
 
 
 def _omegaconf_message(err: OmegaConfBaseException, schema: type) -> str:
@@ -315,10 +350,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), schem
             raise ConfigError(f"bad value for 'pipeline': {err}") from err
     for key, _ in pairs:
         check_key(key, schema)
+    parsed = [(key, parse_override(key, value, schema)) for key, value in pairs]
+    check_sections(raw, schema)
+    check_sections(dict(parsed), schema)
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(schema), raw)
-        for key, value in pairs:
-            OmegaConf.update(cfg, key, parse_override(key, value, schema), merge=True)
+        for key, value in parsed:
+            OmegaConf.update(cfg, key, value, merge=True)
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
             raise ConfigError(f"missing required key '{missing[0]}'")
@@ -340,6 +378,8 @@ def get_key(cfg: Any, key: str) -> Any:
 
 def validate(cfg: BaseConfig) -> None:
     """Value checks that a type cannot express. Raises ConfigError naming the key."""
+    if cfg.output_dir.strip() in ("", "null", "None", "~"):
+        raise ConfigError(f"bad value for 'output_dir': expected the run directory, got {cfg.output_dir!r}")
     for key, allowed in CHOICES.items():
         value = get_key(cfg, key)
         if value not in allowed:

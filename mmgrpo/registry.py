@@ -1,7 +1,7 @@
 """Named factories. Models, algorithms and rewards meet only through these registries.
 
-Every lookup accepts either a registered name or an import path ``package.module:attribute``, so a user plugs in a
-custom component without touching mmgrpo::
+Every lookup accepts either a registered name or an import path, ``package.module:attribute`` or
+``path/to/file.py:attribute``, so a user plugs in a custom component without touching mmgrpo::
 
     from mmgrpo.registry import REWARDS
 
@@ -9,15 +9,22 @@ custom component without touching mmgrpo::
     def my_reward(batch): ...
 
     REWARDS.get("my_pkg.my_mod:my_fn")   # also works, with no registration
+    REWARDS.get("my_rewards.py:my_fn")   # and so does a file
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
+import importlib.util
+import re
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -49,15 +56,48 @@ def plugin_info(obj: Any) -> dict[str, Any]:
     return info
 
 
-def import_path(path: str) -> Any:
-    """Resolve ``package.module:attribute`` (the attribute may be dotted) to the object it names."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise RegistryError(f"'{path}' is not an import path of the form package.module:attribute")
+def _error_text(err: Exception) -> str:
+    """One line for an exception raised while importing: ``file:line: message`` for a SyntaxError."""
+    if isinstance(err, SyntaxError):
+        return f"{err.filename}:{err.lineno}: {type(err).__name__}: {err.msg}"
+    return " ".join(f"{type(err).__name__}: {err}".split())
+
+
+def _import_file(file: Path) -> ModuleType:
+    """Import a Python file under a module name derived from its absolute path, once (later calls reuse it)."""
+    file = file.resolve()
+    name = "mmgrpo_file_" + hashlib.sha1(str(file).encode()).hexdigest()[:12] + "_" + re.sub(r"\W", "_", file.stem)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     try:
-        obj = importlib.import_module(module_name)
-    except ImportError as err:
-        raise RegistryError(f"cannot import module '{module_name}' for '{path}': {err}") from err
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def import_path(path: str) -> Any:
+    """Resolve ``package.module:attribute`` or ``path/to/file.py:attribute`` (relative to the current directory, or
+    absolute) to the object it names; the attribute may be dotted."""
+    module_name, _, attr = path.rpartition(":")
+    if not module_name or not attr:
+        raise RegistryError(f"'{path}' is not an import path of the form package.module:attribute or "
+                            "path/to/file.py:attribute")
+    try:
+        if module_name.endswith(".py"):
+            obj = _import_file(Path(module_name).expanduser())
+        else:
+            obj = importlib.import_module(module_name)
+    except Exception as err:
+        file = module_name.replace(".", "/") + ".py"
+        missing = isinstance(err, ModuleNotFoundError) and err.name == module_name.split(".")[0]
+        hint = (f" (the current directory is not on the import path; name the file: '{file}:{attr}')"
+                if missing and Path(file).is_file() else "")
+        raise RegistryError(f"cannot import module '{module_name}' for '{path}': {_error_text(err)}{hint}") from err
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

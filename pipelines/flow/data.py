@@ -24,13 +24,13 @@ def read_prompt_file(path: str, key: str) -> list[dict]:
     except UnicodeDecodeError as err:
         raise ConfigError(f"bad value for '{key}': {file} is not UTF-8 text ({err.reason} at byte "
                           f"{err.start})") from err
-    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), start=1)]
     comments = file.suffix != ".jsonl"
-    lines = [(n, line) for n, line in lines if line and not (comments and line.startswith("#"))]
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1)
+             if line.strip() and not (comments and line.strip().startswith("#"))]
     if file.suffix == ".jsonl":
-        items = [_jsonl_item(line, n, file, key) for n, line in lines]
+        items = [_jsonl_item(line, n, file, key) for n, line in lines]  # unstripped: JSON columns stay right
     else:
-        items = [{"prompt": line} for _, line in lines]
+        items = [{"prompt": line.strip()} for _, line in lines]
     if not items:
         raise ConfigError(f"bad value for '{key}': {file} holds no prompts")
     return items
@@ -40,7 +40,8 @@ def _jsonl_item(line: str, number: int, file: Path, key: str) -> dict:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ConfigError(f"bad value for '{key}': {file}:{number} is not valid JSON ({err.msg})") from err
+        raise ConfigError(f"bad value for '{key}': {file}:{number}: malformed JSON at column {err.colno}: "
+                          f"{err.msg}") from err
     if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
         raise ConfigError(f"bad value for '{key}': {file}:{number} must be an object with a non-empty "
                           "'prompt'")
@@ -54,7 +55,7 @@ def task_items(name: str, split: str, key: str) -> list[dict]:
     try:
         task = TASKS.get(name)
     except RegistryError as err:
-        raise ConfigError(f"bad value for '{key}': unknown task '{name}' ({err})") from err
+        raise ConfigError(f"bad value for '{key}': {err}") from err
     splits = list(getattr(task, "splits", ("train", "heldout")))
     items = task.items(split if split in splits else splits[-1])
     if not items:

@@ -68,7 +68,7 @@ def _json_lines(text: str, name: str) -> list[tuple[int, Any]]:
             records.append((line_no, json.loads(line)))
         except json.JSONDecodeError as err:
             hint = " (a .json file holds a list of records or one record per line)" if name.endswith(".json") else ""
-            raise ConfigError(f"{name}:{line_no}: malformed JSON ({err.msg} at column {err.colno}){hint}") from err
+            raise ConfigError(f"{name}:{line_no}: malformed JSON at column {err.colno}: {err.msg}{hint}") from err
     return records
 
 
@@ -88,17 +88,27 @@ def _json_list(text: str, name: str) -> list[tuple[int, Any]]:
         try:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{name}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno})") from err
+            raise ConfigError(f"{name}:{err.lineno}: malformed JSON at column {err.colno}: {err.msg}") from err
         records.append((line_at(pos), value))
         pos = space.match(text, end).end()
         if text[pos:pos + 1] == "]":
             break
         if text[pos:pos + 1] != ",":
-            raise ConfigError(f"{name}:{line_at(pos)}: malformed JSON (expected ',' or ']' after the record)")
+            raise ConfigError(f"{name}:{line_at(pos)}: malformed JSON: expected ',' or ']' after the record")
         pos = space.match(text, pos + 1).end()
     if text[pos + 1:].strip():
-        raise ConfigError(f"{name}:{line_at(pos)}: malformed JSON (extra data after the closing ']')")
+        raise ConfigError(f"{name}:{line_at(pos)}: malformed JSON: extra data after the closing ']'")
     return records
+
+
+def _lone_object(text: str) -> bool:
+    """Whether ``text`` is one JSON object that cannot be a one-record JSONL file: it spans several lines, or it has
+    neither ``solution`` nor ``answer``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(value, dict) and ("\n" in text.strip() or not {"solution", "answer"} & value.keys())
 
 
 def _media_list(value: Any, key: str, source: str) -> list[str]:
@@ -172,8 +182,9 @@ def read_samples(path: str | os.PathLike, root: str | os.PathLike) -> list[VLMSa
 
     Raises ConfigError, naming ``file:line``, for a missing or empty file, malformed JSON, a record that is not an
     object, a missing or blank required field, an unknown problem type (the message lists the valid ones) or a bad
-    media field; and, naming ``data.root``, when the file references media and not one of them exists (a wrong
-    root). Single missing files are left to ``data.on_bad_media`` when they are decoded.
+    media field; naming the file, when it is one JSON object (not a list of records, nor a one-line record); and,
+    naming ``data.root``, when the file references media and not one of them exists (a wrong root). Single missing
+    files are left to ``data.on_bad_media`` when they are decoded.
     """
     name, root = str(path), Path(root)
     try:
@@ -182,8 +193,11 @@ def read_samples(path: str | os.PathLike, root: str | os.PathLike) -> list[VLMSa
         raise ConfigError(f"data file not found: {name}") from err
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read data file {name}: {err}") from err
-    stripped = text.lstrip()
-    records = _json_list(text, name) if stripped.startswith("[") else _json_lines(text, name)
+    is_list = text.lstrip().startswith("[")
+    if not is_list and _lone_object(text):
+        raise ConfigError(f"{name}: holds a single JSON object, not records: a data file holds a JSON list of records "
+                          "or one record object per line (JSONL)")
+    records = _json_list(text, name) if is_list else _json_lines(text, name)
     if not records:
         raise ConfigError(f"{name}: no records (the data file is empty)")
     samples = [_parse_record(record, f"{name}:{line}", root) for line, record in records]

@@ -71,6 +71,64 @@ def test_a_preset_that_does_not_merge_onto_its_base_names_the_file(tmp_path):
         read_preset(leaf)
 
 
+def test_a_base_cycle_names_the_files_of_the_cycle(tmp_path):
+    write(tmp_path / "a.yaml", {"base": "b.yaml", "pipeline": "toy_bandit:PIPELINE"})
+    write(tmp_path / "b.yaml", {"base": ["a.yaml"]})
+    leaf = write(tmp_path / "leaf.yaml", {"base": "a.yaml"})
+    with pytest.raises(ConfigError) as err:
+        load_config(leaf)
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    assert str(err.value) == f"'base:' cycle in presets: {a} -> {b} -> {a}"
+    with pytest.raises(ConfigError, match=r"cycle in presets: .*self\.yaml -> .*self\.yaml$"):
+        read_preset(write(tmp_path / "self.yaml", {"base": "./self.yaml"}))
+
+
+def test_a_missing_or_malformed_base_names_the_preset_that_refers_to_it(tmp_path):
+    child = write(tmp_path / "child.yaml", {"base": "nosuchbase.yaml"})
+    with pytest.raises(ConfigError) as err:
+        read_preset(child)
+    assert str(err.value) == f"config file not found: {tmp_path / 'nosuchbase.yaml'} (the base of {child})"
+    with pytest.raises(ConfigError, match=r"bad value for 'base' in .*odd\.yaml: expected a file path"):
+        read_preset(write(tmp_path / "odd.yaml", {"base": 5}))
+
+
+def test_a_scalar_where_a_section_belongs_names_the_key(tmp_path):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "train": 5})
+    with pytest.raises(ConfigError) as err:
+        load_config(preset)
+    assert str(err.value) == "bad value for 'train': expected a mapping of its keys (a section), got 5"
+    preset = write(tmp_path / "q.yaml", {"pipeline": "toy_bandit:PIPELINE", "train": {"max_steps": 3}})
+    with pytest.raises(ConfigError, match="'grpo': expected a mapping"):
+        load_config(preset, ["grpo=[1, 2]"])
+    assert load_config(preset, ["optim={lr: 0.5}"]).optim.lr == 0.5
+
+
+@pytest.mark.parametrize(("key", "suggestion"), [
+    ("nosection.x", None),
+    ("no.such.key", None),
+    ("trian.max_steps", "train.max_steps"),
+    ("train.max_step", "train.max_steps"),
+    ("outptu_dir", "output_dir"),
+    ("seed.x", "seed"),
+])
+def test_the_closest_key_is_found_component_by_component(tmp_path, key, suggestion):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, [f"{key}=1"])
+    tail = "" if suggestion is None else f" (closest valid key: '{suggestion}')"
+    assert str(err.value) == f"unknown key '{key}'{tail}"
+
+
+@pytest.mark.parametrize(("output_dir", "override"), [
+    ("runs/x", "output_dir=null"), ("runs/x", "output_dir="), ("runs/x", "output_dir=  "), ("runs/x", "output_dir=~"),
+    (None, "seed=1"), ("", "seed=1"),
+])
+def test_a_null_or_empty_output_dir_is_refused(tmp_path, output_dir, override):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "output_dir": output_dir})
+    with pytest.raises(ConfigError, match="^bad value for 'output_dir'"):
+        load_config(preset, [override])
+
+
 def test_missing_file_and_missing_pipeline(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

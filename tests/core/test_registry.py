@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from mmgrpo.registry import ADVANTAGES, Registry, RegistryError, import_path
@@ -42,3 +44,52 @@ def test_builtin_registries_are_populated():
     from mmgrpo.registry import POLICY_LOSSES
 
     assert {"ppo_clip", "reinforce"} <= set(POLICY_LOSSES.names())
+
+
+def test_an_import_that_raises_is_one_line_naming_the_path_and_file_line(tmp_path, monkeypatch):
+    (tmp_path / "broken_syntax_mod.py").write_text("x = 1\ndef fn(batch:\n")
+    (tmp_path / "raises_at_import_mod.py").write_text("raise RuntimeError('no GPU\\nfound')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RegistryError) as err:
+        import_path("broken_syntax_mod:fn")
+    msg = str(err.value)
+    assert "'broken_syntax_mod:fn'" in msg and "broken_syntax_mod.py:2: SyntaxError" in msg and "\n" not in msg
+    with pytest.raises(RegistryError, match=r"'raises_at_import_mod:fn'.*RuntimeError: no GPU found$"):
+        import_path("raises_at_import_mod:fn")
+
+
+def test_a_python_file_path_imports_that_file_once(tmp_path, monkeypatch):
+    reward_file = tmp_path / "my reward.py"
+    reward_file.write_text("def fn(batch):\n    return [1.0] * len(batch.prompts)\n")
+    reg = Registry("widget")
+    fn = reg.get(f"{reward_file}:fn")
+    assert fn.__name__ == "fn" and reg.entry(f"{reward_file}:fn").obj is fn  # the module is reused
+    monkeypatch.chdir(tmp_path.parent)
+    assert reg.get(f"{tmp_path.name}/my reward.py:fn") is fn  # relative to the current directory
+    with pytest.raises(RegistryError, match="cannot import module 'nope.py'.*nope.py"):
+        reg.get("nope.py:fn")
+    with pytest.raises(RegistryError, match="has no attribute 'gn'"):
+        reg.get(f"{reward_file}:gn")
+
+
+def test_a_module_in_the_current_directory_off_the_import_path_hints_the_file_form(tmp_path, monkeypatch):
+    (tmp_path / "cwd_only_rewards.py").write_text("def fn(batch):\n    return [0.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    with pytest.raises(RegistryError, match=r"name the file: 'cwd_only_rewards.py:fn'"):
+        import_path("cwd_only_rewards:fn")
+    assert import_path("cwd_only_rewards.py:fn")([]) == [0.0]
+
+
+def test_a_reward_file_works_through_the_zoo(tmp_path):
+    import torch
+
+    from mmgrpo.config import RewardSpec
+    from mmgrpo.rewards import RewardBatch, RewardZoo
+
+    reward_file = tmp_path / "length_reward.py"
+    reward_file.write_text("def length(batch):\n    return [float(len(c)) for c in batch.completions]\n")
+    zoo = RewardZoo([RewardSpec(name=f"{reward_file}:length", weight=1.0)])
+    batch = RewardBatch(prompts=["p", "p"], group=torch.tensor([0, 0]), completions=["ab", "abcd"])
+    main, _, _ = zoo(batch)
+    assert main[:, 0].tolist() == [2.0, 4.0]

@@ -286,7 +286,7 @@ def test_wan_rollout_gives_videos_to_rewards_and_writes_an_mp4(tmp_path):
     (b"", "holds no prompts"),
     (b"\n  \n", "holds no prompts"),
     (b"\xff\xfe\x00binary", "not UTF-8"),
-    (b'{"prompt": "ok"}\n{"prompt": \n', ":2 is not valid JSON"),
+    (b'{"prompt": "ok"}\n  {"prompt": "unterminated\n', r":2: malformed JSON at column 14: Unterminated string starting at$"),
     (b'{"text": "no prompt key"}\n', "non-empty 'prompt'"),
 ])
 def test_bad_prompt_files_name_the_key_and_file(tmp_path, content, message):
@@ -299,12 +299,13 @@ def test_bad_prompt_files_name_the_key_and_file(tmp_path, content, message):
 
 def test_prompt_sources(tmp_path):
     txt = tmp_path / "p.txt"
-    txt.write_text("a red ball\n\n# a comment\na blue ball\n")
+    txt.write_text("a red ball\n\n  # a comment\n  a blue ball \n")
     train, held_out = prompt_datasets(str(txt), None, 1)
     assert train == [{"prompt": "a red ball"}, {"prompt": "a blue ball"}] and held_out == train[:1]
     with pytest.raises(ConfigError, match="'data.eval_prompts'.*not found"):
         prompt_datasets(str(txt), str(tmp_path / "missing.txt"), 4)
-    with pytest.raises(ConfigError, match="unknown task"):
+    with pytest.raises(ConfigError, match=r"^bad value for 'data.train_prompts': unknown task 'no_such_task' "
+                                          r"\(known: [^()]*shapes_t2i[^()]*\)$"):
         prompt_datasets("task:no_such_task", None, 4)
     train, held_out = prompt_datasets("task:shapes_t2i", None, 3)
     assert train[0]["prompt"] and len(held_out) == 3 and not {i["prompt"] for i in held_out} & {

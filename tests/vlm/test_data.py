@@ -87,21 +87,35 @@ def test_easyr1_json_list_with_several_media(root: Path):
 
 
 def test_malformed_jsonl_line_names_line(root: Path):
-    path = write_jsonl(root / "d.jsonl", [video_r1(), video_r1(), '{"problem": "x", "solution": ', video_r1()])
+    path = write_jsonl(root / "d.jsonl", [video_r1(), video_r1(), '{"problem": "x", "solution": "<answer>B', video_r1()])
     with pytest.raises(ConfigError) as err:
         read_samples(path, root)
-    msg = str(err.value)
-    assert msg.startswith(f"{path}:3: malformed JSON (") and "\n" not in msg
+    assert str(err.value) == f"{path}:3: malformed JSON at column 30: Unterminated string starting at"
 
 
 def test_malformed_json_list_names_line(root: Path):
     path = root / "d.json"
     path.write_text('[\n  {"problem": "a", "answer": "b"},\n  {"problem": "a" "answer": "b"}\n]\n')
-    with pytest.raises(ConfigError, match=r"d\.json:3: malformed JSON \("):
+    with pytest.raises(ConfigError, match=r"d\.json:3: malformed JSON at column 19: Expecting ',' delimiter$"):
         read_samples(path, root)
     path.write_text('[\n  {"problem": "a", "answer": "b"},\n]\n')
     with pytest.raises(ConfigError, match=r"d\.json:3: malformed JSON"):
         read_samples(path, root)
+
+
+@pytest.mark.parametrize("content", [
+    '{"data": [{"problem": "a", "answer": "b"}]}',
+    '{\n  "problem": "a",\n  "answer": "b"\n}\n',
+])
+def test_a_file_that_is_one_json_object_says_records_are_a_list(root: Path, content: str):
+    path = root / "dict.json"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        read_samples(path, root)
+    assert str(err.value) == (f"{path}: holds a single JSON object, not records: a data file holds a JSON list of "
+                              "records or one record object per line (JSONL)")
+    path.write_text('{"problem": "a", "answer": "b"}\n')  # one line with one record is JSONL
+    assert read_samples(path, root)[0].solution == "b"
 
 
 def test_unknown_problem_type_lists_valid_ones(root: Path):
