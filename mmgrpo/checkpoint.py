@@ -11,6 +11,16 @@ from typing import Any
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+"""The resolved config of the run, in the run directory and in each checkpoint."""
+FIXED_ON_RESUME = ("pipeline", "seed", "model.", "optim.", "train.group_size", "train.prompts_per_step",
+                   "train.micro_batch_size", "train.updates_per_rollout")
+"""Config keys (or prefixes) a resumed run must keep: the weights, optimiser, scheduler, sampler and RNG state in the
+checkpoint were made with them."""
+FREE_ON_RESUME = ("resume", "output_dir", "num_threads", "train.max_steps", "train.save_every", "train.eval_every",
+                  "train.keep_last", "logging.")
+"""Config keys (or prefixes) a resumed run may change without comment. Any other change is allowed with a
+warning."""
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -37,6 +47,37 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     if not (path / STATE_FILE).is_file():
         raise FileNotFoundError(f"resume checkpoint not found or incomplete: {path} (no {STATE_FILE})")
     return path
+
+
+def existing_run(run_dir: Path) -> str | None:
+    """What in ``run_dir`` shows an earlier run (its metrics or checkpoints), or None."""
+    found = [name for name in ("metrics.jsonl",) if (run_dir / name).is_file()]
+    found += [f"checkpoints/{path.name}" for _, path in checkpoint_dirs(run_dir)[-1:]]
+    return ", ".join(found) or None
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The dotted keys whose value differs between the checkpoint's config ``old`` and the resumed run's ``new``:
+    ``(fixed, other)``, where ``fixed`` match :data:`FIXED_ON_RESUME` and ``other`` are the rest, minus
+    :data:`FREE_ON_RESUME`."""
+    def matches(key: str, patterns: tuple[str, ...]) -> bool:
+        return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
+
+    a, b = flatten(old), flatten(new)
+    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not matches(k, FREE_ON_RESUME))
+    fixed = [k for k in changed if matches(k, FIXED_ON_RESUME)]
+    return fixed, [k for k in changed if k not in fixed]
 
 
 def temporary_dir(run_dir: Path, step: int) -> Path:

@@ -55,6 +55,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     history = trainer.train()
     trainer.print_summary(history)
     trainer.close()
+    if trainer.interrupted in signal.Signals.__members__:  # stopped early, checkpoint saved: the shell's code
+        return 128 + signal.Signals[trainer.interrupted].value
     return 0
 
 
@@ -215,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     with_config("eval", "score held-out prompts and write eval.json to the run directory", cmd_eval)
     p = with_config("sample", "generate images, videos or text (with a checkpoint via resume=...)", cmd_sample)
     p.add_argument("--prompt", action="append", help="prompt to sample (repeatable); default: held-out prompts")
-    p.add_argument("--num", type=int, default=8, help="held-out prompts to sample when no --prompt is given")
+    p.add_argument("--num", type=positive_int, default=8, help="held-out prompts to sample when no --prompt is given")
 
     p = with_config("config", "show every option of a preset (or a pipeline's defaults: 'mmgrpo config flow'): "
                     "its resolved value and what it does", cmd_config)
@@ -248,8 +250,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``key=value`` overrides allowed after options too (``sample CONFIG --num 2
+    resume=latest``), which argparse alone would reject once an option has ended the overrides."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.fn(args)
     except (ConfigError, RegistryError) as err:

@@ -10,13 +10,17 @@ from __future__ import annotations
 import itertools
 import math
 import shutil
+import signal
+import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, DistributedType, gather_object, set_seed
 from safetensors.torch import load_file, save_file
@@ -111,6 +115,10 @@ class Trainer:
                                     acc.process_index, cfg.seed)
         self.step = 0
         self.iteration = 0
+        self.skipped_updates = 0
+        """Optimiser updates skipped for a non-finite gradient norm in this process's run."""
+        self.interrupted: str | None = None
+        """The signal (SIGINT, SIGTERM) that ended :meth:`train` early, after saving a checkpoint; None otherwise."""
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
@@ -142,20 +150,56 @@ class Trainer:
         if acc.is_main_process:
             state = {"step": self.step, "iteration": self.iteration, "sampler": self.sampler.state_dict(),
                      "num_processes": acc.num_processes}
+            (tmp / checkpoint.CONFIG_FILE).write_text(to_yaml(self.cfg))
             final = checkpoint.finalize(tmp, state)
             checkpoint.prune(self.run_dir, self.cfg.train.keep_last)
         acc.wait_for_everyone()
         return final
 
     def load_checkpoint(self, path: Path) -> None:
-        state = checkpoint.read_state(path)
-        if state["num_processes"] != self.accelerator.num_processes:
-            raise ConfigError(f"bad value for 'resume': checkpoint {path} was written by {state['num_processes']} "
-                              f"processes and this run has {self.accelerator.num_processes} (RNG streams would "
-                              "not line up)")
-        self.accelerator.load_state(str(path))
+        """Restore weights, optimiser, scheduler, RNG and sampler from ``path``. A file that cannot be read is a
+        one-line ConfigError naming the checkpoint (and the one before it, to resume from instead)."""
+        try:
+            state = checkpoint.read_state(path)
+            if state["num_processes"] != self.accelerator.num_processes:
+                raise ConfigError(f"bad value for 'resume': checkpoint {path} was written by "
+                                  f"{state['num_processes']} processes and this run has "
+                                  f"{self.accelerator.num_processes} (RNG streams would not line up)")
+            self.accelerator.load_state(str(path))
+        except ConfigError:
+            raise
+        except Exception as err:
+            earlier = [p for _, p in checkpoint.checkpoint_dirs(self.run_dir) if p.resolve() != path.resolve()]
+            hint = f"; resume={earlier[-1]} resumes from the one before" if earlier else ""
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise ConfigError(f"bad value for 'resume': checkpoint {path} cannot be read ({type(err).__name__}: "
+                              f"{first}){hint}") from err
         self.step, self.iteration = state["step"], state["iteration"]
         self.sampler.load_state_dict(state["sampler"])
+
+    def check_resumed_config(self, path: Path) -> None:
+        """Compare this run's config with the one checkpoint ``path`` was made with: a change of a key in
+        ``checkpoint.FIXED_ON_RESUME`` is a ConfigError; other changes are printed, and the run directory's
+        previous config.yaml is kept as ``config-before-step-N.yaml``."""
+        saved = next((f for f in (path / checkpoint.CONFIG_FILE, self.run_dir / checkpoint.CONFIG_FILE)
+                      if f.is_file()), None)
+        if saved is None:
+            return
+        old = yaml.safe_load(saved.read_text())
+        fixed, other = checkpoint.config_changes(old, to_dict(self.cfg))
+        values = checkpoint.flatten(old), checkpoint.flatten(to_dict(self.cfg))
+        if fixed:
+            key = fixed[0]
+            raise ConfigError(f"bad value for '{key}': {values[1].get(key)!r}, but checkpoint {path} was made with "
+                              f"{values[0].get(key)!r}; a resumed run keeps it (the weights, optimiser and sampler "
+                              "state depend on it): resume with the old value, or start a new output_dir")
+        if other:
+            self.accelerator.print("resuming with changed settings: " + ", ".join(
+                f"{k} {values[0].get(k)!r} -> {values[1].get(k)!r}" for k in other))
+            previous = self.run_dir / checkpoint.CONFIG_FILE
+            if self.accelerator.is_main_process and previous.is_file():
+                step = checkpoint.read_state(path)["step"]
+                shutil.copyfile(previous, self.run_dir / f"config-before-step-{step}.yaml")
 
     # ----------------------------------------------------------------------------------------- one iteration
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -300,13 +344,20 @@ class Trainer:
                 if sampled_logp is not None and recompute_dev is None:  # every row has its old log-prob now
                     dev = (rollout.old_logp - sampled_logp).abs()[mask]
                     recompute_dev = dev.max().item() if dev.numel() else 0.0
-                grad_norm = None
-                if cfg.optim.max_grad_norm > 0:
-                    # all parameters: accelerate clips FSDP's sharded gradients by their global norm only when
-                    # given the model's full parameter list (frozen ones have no gradient and do not count)
-                    grad_norm = acc.clip_grad_norm_(self.policy.model.parameters(), cfg.optim.max_grad_norm)
-                self.optimizer.step()
-                rollout.weights_updated = True
+                # all parameters: accelerate clips FSDP's sharded gradients by their global norm only when given
+                # the model's full parameter list (frozen ones have no gradient and do not count); an infinite
+                # max_norm measures the norm without clipping
+                max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else math.inf
+                grad_norm = acc.clip_grad_norm_(self.policy.model.parameters(), max_norm)
+                finite = grad_norm is None or math.isfinite(float(grad_norm))
+                if finite:
+                    self.optimizer.step()
+                    rollout.weights_updated = True
+                else:  # the same decision on every process: the norm is global
+                    self.skipped_updates += 1
+                    warnings.warn(f"step {self.step + 1}: the gradient norm is {float(grad_norm)} (a non-finite "
+                                  "loss: look at the rewards and advantages of this step); the update is skipped "
+                                  f"({self.skipped_updates} so far)", RuntimeWarning, stacklevel=2)
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.ema is not None:
@@ -322,6 +373,8 @@ class Trainer:
                 })
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
+                if not finite:
+                    metrics["train/skipped_update"] = 1.0
                 if recompute_dev is not None:
                     metrics["logp/rollout_vs_recompute_max_dev"] = recompute_dev
                 on_step(metrics)
@@ -359,12 +412,52 @@ class Trainer:
         return {k: (max(v) if "max_dev" in k else sum(v) / len(v)) for k, v in merged.items()}
 
     # ----------------------------------------------------------------------------------------- the loop
+    @contextmanager
+    def _stop_on_signals(self) -> Iterator[dict[str, str | None]]:
+        """While open, a first SIGINT (Ctrl-C) or SIGTERM only asks the loop to stop: it finishes the step, saves
+        a checkpoint and returns. A second SIGINT interrupts at once. Yields ``{"signal": name or None}``. Handlers
+        can only be set in the main thread; elsewhere signals keep their usual effect."""
+        asked: dict[str, str | None] = {"signal": None}
+        if threading.current_thread() is not threading.main_thread():
+            yield asked
+            return
+
+        def ask(signum: int, _frame: Any) -> None:
+            if asked["signal"] is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            asked["signal"] = signal.Signals(signum).name
+            self.accelerator.print(f"\n{asked['signal']}: stopping after this step and saving a checkpoint "
+                                   "(Ctrl-C again stops at once)", flush=True)
+
+        previous = {s: signal.signal(s, ask) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield asked
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_any_process(self, flag: bool) -> bool:
+        """Whether ``flag`` is set on any process (every process gets the same answer)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        return bool(self.accelerator.gather(torch.tensor([float(flag)], device=self.accelerator.device)).max() > 0)
+
     def train(self, should_stop: Callable[[int, dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
         """Run to ``train.max_steps``, or until ``should_stop(step, last_row)`` returns True after an iteration
         (it must answer the same on every process). Returns the metric rows of this run (main process; empty
         elsewhere)."""
         cfg, acc = self.cfg, self.accelerator
         resume_from = checkpoint.resolve_resume(cfg.resume, self.run_dir)
+        if resume_from is None:
+            earlier = checkpoint.existing_run(self.run_dir)
+            if earlier and not cfg.resume:
+                raise ConfigError(f"bad value for 'output_dir': {self.run_dir} holds an earlier run ({earlier}); "
+                                  "resume=latest continues it, and a new output_dir (or deleting this one) starts "
+                                  "over")
+            if cfg.resume == "latest":
+                acc.print(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting a fresh run")
+        else:
+            self.check_resumed_config(resume_from)
         if acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -379,7 +472,7 @@ class Trainer:
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (cfg.logging.progress and acc.is_main_process))
         last_saved = self.step if resume_from else None
-        try:
+        with self._stop_on_signals() as asked, closing(bar):
             while self.step < cfg.train.max_steps:
                 t0 = time.perf_counter()
                 items_idx, group_ids = self.sampler.next()
@@ -412,12 +505,16 @@ class Trainer:
                 if every and self.step // every != (self.step - len(rows)) // every:
                     self.save_checkpoint()
                     last_saved = self.step
+                if self._on_any_process(asked["signal"] is not None):
+                    self.interrupted = asked["signal"] or "a signal to another process"
+                    break
                 if should_stop is not None and should_stop(self.step, rows[-1]):
                     break
-        finally:
-            bar.close()
-        if last_saved != self.step:
-            self.save_checkpoint()
+            if last_saved != self.step:
+                self.save_checkpoint()
+        if self.interrupted:
+            acc.print(f"stopped by {self.interrupted} at step {self.step}: saved {self.run_dir / 'checkpoints'}/"
+                      f"step-{self.step}; resume=latest continues the run")
         history = []
         if acc.is_main_process:
             log.close()

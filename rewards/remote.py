@@ -145,6 +145,9 @@ class RemoteReward(Reward):
             raise ValueError(f"remote: encoding must be 'float16' or 'uint8'; got '{encoding}'")
         if max_batch < 1 or retries < 0 or timeout <= 0 or backoff < 0:
             raise ValueError("remote: needs max_batch >= 1, retries >= 0, timeout > 0 and backoff >= 0")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"remote: url must be http://host:port or https://host:port; got {url!r}")
         self.url = url.rstrip("/")
         self.reward, self.kind, self.max_batch = reward, kind, int(max_batch)
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)

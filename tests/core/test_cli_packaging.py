@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +28,18 @@ def test_rewards_command_lists_kind_and_modality():
     assert re.search(r"win_rate\s.*groupwise", out)
     assert re.search(r"format\s.*pointwise\s.*text", out)
     assert "[min_len, max_len]" in out  # descriptions are printed as text, not read as rich markup
+
+
+def test_overrides_may_follow_options_and_counts_must_be_positive(capsys):
+    from mmgrpo.cli import parse
+
+    args = parse(["sample", "c.yaml", "a.b=1", "--num", "2", "resume=latest"])
+    assert args.num == 2 and args.overrides == ["a.b=1", "resume=latest"]
+    for argv in (["sample", "c.yaml", "--num", "0"], ["train", "c.yaml", "--bogus"], ["train", "c.yaml", "--n", "x"]):
+        with pytest.raises(SystemExit) as err:
+            parse(argv)
+        assert err.value.code == 2
+    assert "must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_unknown_bench_exits_2_and_lists_suites():

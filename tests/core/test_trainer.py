@@ -273,6 +273,68 @@ def test_onpolicy_check_reads_masked_samples_too(tmp_path):
     assert rows[0]["ratio/max_dev"] <= 1e-6  # the ratios the loss used (unmasked rows) are exact
 
 
+def test_a_non_finite_gradient_skips_the_update_and_is_counted(tmp_path):
+    trainer = Trainer(toy(tmp_path, "train.max_steps=3", "toy.nan_rollout=2", "train.save_every=2"))
+    before_step_2 = {}
+    with pytest.warns(RuntimeWarning, match=r"step 2: the gradient norm is nan .* the update is skipped \(1 so far\)"):
+        history = trainer.train(should_stop=lambda step, row: before_step_2.setdefault(
+            step, trainer.policy.model.weight.detach().clone()) is None)
+    assert [r.get("train/skipped_update", 0.0) for r in history] == [0.0, 1.0, 0.0]
+    torch.testing.assert_close(load_file(str(tmp_path / "checkpoints" / "step-2" / "policy" / "model.safetensors"))
+                               ["weight"], before_step_2[1], atol=0, rtol=0)  # step 2 left the weights as they were
+    assert torch.isfinite(trainer.policy.model.weight).all() and trainer.skipped_updates == 1
+
+
+def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
+    Trainer(toy(tmp_path, "train.max_steps=2")).train()
+    with pytest.raises(ConfigError, match=r"'output_dir': .* holds an earlier run \(metrics.jsonl, "
+                                          r"checkpoints/step-2\); resume=latest continues it"):
+        Trainer(toy(tmp_path, "train.max_steps=2")).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]  # nothing lost
+
+
+def test_resume_keeps_what_the_checkpoint_depends_on_and_reports_other_changes(tmp_path, capsys):
+    Trainer(toy(tmp_path, "train.max_steps=2")).train()
+    for key, value in (("train.group_size", 4), ("optim.lr", 0.5), ("seed", 1)):
+        with pytest.raises(ConfigError, match=rf"bad value for '{key}': {value}, but checkpoint .*step-2 was made "
+                                              "with .*; a resumed run keeps it"):
+            Trainer(toy(tmp_path, "train.max_steps=3", "resume=latest", f"{key}={value}")).train()
+    capsys.readouterr()
+    Trainer(toy(tmp_path, "train.max_steps=3", "resume=latest", "grpo.clip_eps=0.3")).train()
+    assert "resuming with changed settings: grpo.clip_eps 0.2 -> 0.3" in capsys.readouterr().out
+    assert "clip_eps: 0.2" in (tmp_path / "config-before-step-2.yaml").read_text()
+    assert "clip_eps: 0.3" in (tmp_path / "config.yaml").read_text()
+
+
+def test_an_unreadable_checkpoint_is_one_line_naming_it_and_the_one_before(tmp_path):
+    Trainer(toy(tmp_path, "train.max_steps=4", "train.save_every=2", "train.keep_last=0")).train()
+    (tmp_path / "checkpoints" / "step-4" / "policy" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match=r"'resume': checkpoint .*step-4 cannot be read \(.*\); resume=.*step-2 "
+                                          "resumes from the one before") as err:
+        Trainer(toy(tmp_path, "train.max_steps=5", "resume=latest")).train()
+    assert "\n" not in str(err.value)
+
+
+def test_ctrl_c_finishes_the_step_saves_and_resumes(tmp_path, support_env):
+    run = tmp_path / "run"
+    preset = _preset(tmp_path / "run.yaml", run, save_every=0)
+    cmd = [sys.executable, "-m", "mmgrpo", "train", str(preset)]
+    proc = subprocess.Popen(cmd, env=support_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while not (run / "metrics.jsonl").is_file() or not read_metrics(run / "metrics.jsonl"):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be interrupted"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    stopped_at = max(r["step"] for r in read_metrics(run / "metrics.jsonl"))
+    assert stopped_at < 16 and f"stopped by SIGINT at step {stopped_at}: saved" in out and "Traceback" not in out
+    assert (run / "checkpoints" / f"step-{stopped_at}").is_dir()
+    resumed = subprocess.run(cmd, env=support_env, capture_output=True, text=True, timeout=300, check=False)
+    assert resumed.returncode == 0 and f"at step {stopped_at}" in resumed.stdout
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, 17))
+
+
 def test_should_stop_ends_the_run_early_with_a_checkpoint(tmp_path):
     cfg = toy(tmp_path, "train.max_steps=20", "train.save_every=0")
     history = Trainer(cfg).train(should_stop=lambda step, row: step >= 3)

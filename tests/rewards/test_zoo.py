@@ -240,6 +240,9 @@ def test_nested_reward_args_are_checked_and_named(name, args, message):
 def test_a_value_the_constructor_refuses_is_a_config_error_naming_the_spec():
     with pytest.raises(ConfigError, match=r"bad value in 'rewards.0' \(win_rate\): win_rate: margin must be >= 0"):
         RewardZoo([RewardSpec(name="win_rate", args={"base": "sharpness", "margin": -1.0})])
+    with pytest.raises(ConfigError, match=r"'rewards.0' \(remote\): remote: url must be http://host:port .*'not a "
+                                          "url'"):  # refused before the first step, not at the first request
+        RewardZoo([RewardSpec(name="remote", args={"url": "not a url"})])
 
 
 def test_nan_counts_and_a_single_warning_for_an_all_nan_reward(mod):

@@ -11,6 +11,7 @@ Used as ``pipeline: toy_bandit:PIPELINE`` with ``tests/support`` on the path, wh
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ class ToySection:
     """Tokens per completion (units per sample)."""
     sleep_s: float = 0.0
     """Pause per rollout, so a test can kill a run part-way."""
+    nan_rollout: int = 0
+    """The rollout (1-based) whose training log-probs are NaN, as a broken loss would be; 0: none."""
 
 
 @dataclass
@@ -88,14 +91,18 @@ class ToyPolicy(Policy):
             group=torch.tensor(group_ids).repeat_interleave(group_size),
             completions=[" ".join(map(str, row.tolist())) for row in tokens],
             meta=[{"target": items[i // group_size]["target"]} for i in range(len(index))])
+        self.rollouts = getattr(self, "rollouts", 0) + 1
         return Rollout(group=batch.group, old_logp=old, mask=torch.ones_like(old, dtype=torch.bool),
-                       reward_batch=batch, data={"index": index, "tokens": tokens},
+                       reward_batch=batch, data={"index": index, "tokens": tokens,
+                                                 "nan": self.rollouts == self.cfg.toy.nan_rollout},
                        counters={"tokens/completion": float(tokens.numel())})
 
     def log_probs(self, rollout: Rollout, rows: torch.Tensor, units: torch.Tensor | None,
                   with_kl: bool) -> LogProbs:
         index, tokens = rollout.data["index"][rows], rollout.data["tokens"][rows]
         logp = self._token_logp(self.model, index, tokens)
+        if rollout.data["nan"]:
+            logp = logp * math.nan
         kl = None
         if with_kl:
             with torch.no_grad():
