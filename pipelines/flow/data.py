@@ -60,6 +60,9 @@ def task_items(name: str, split: str, key: str) -> list[dict]:
     items = task.items(split if split in splits else splits[-1])
     if not items:
         raise ConfigError(f"bad value for '{key}': task '{name}' has no {split} items")
+    if not isinstance(items[0].get("prompt"), str):
+        raise ConfigError(f"bad value for '{key}': task '{name}' has no text prompts (its items hold "
+                          f"{sorted(items[0])}): it is not a text-to-image task")
     return items
 
 

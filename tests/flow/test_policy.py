@@ -307,6 +307,8 @@ def test_prompt_sources(tmp_path):
     with pytest.raises(ConfigError, match=r"^bad value for 'data.train_prompts': unknown task 'no_such_task' "
                                           r"\(known: [^()]*shapes_t2i[^()]*\)$"):
         prompt_datasets("task:no_such_task", None, 4)
+    with pytest.raises(ConfigError, match="task 'shapes_qa' has no text prompts .*not a text-to-image task"):
+        prompt_datasets("task:shapes_qa", None, 4)
     train, held_out = prompt_datasets("task:shapes_t2i", None, 3)
     assert train[0]["prompt"] and len(held_out) == 3 and not {i["prompt"] for i in held_out} & {
         i["prompt"] for i in train}
