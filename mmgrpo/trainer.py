@@ -176,6 +176,18 @@ class Trainer:
                               f"{first}){hint}") from err
         self.step, self.iteration = state["step"], state["iteration"]
         self.sampler.load_state_dict(state["sampler"])
+        self.apply_optim_config()
+
+    def apply_optim_config(self) -> None:
+        """Make the restored optimiser and LR schedule follow ``optim.*`` of this run: AdamW's betas, eps and weight
+        decay, and the schedule's peak ``lr`` at its restored position (the moments and step counts stay). With an
+        unchanged config the state stays as restored (to float rounding)."""
+        o = self.cfg.optim
+        schedule = getattr(self.scheduler, "scheduler", self.scheduler)  # inside accelerate's wrapper
+        for i, group in enumerate(self.optimizer.param_groups):  # the schedules scale the peak lr by a factor
+            scale = group["lr"] / schedule.base_lrs[i] if schedule.base_lrs[i] else 0.0
+            group.update(lr=o.lr * scale, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        schedule.base_lrs = [o.lr] * len(schedule.base_lrs)
 
     def check_resumed_config(self, path: Path) -> None:
         """Compare this run's config with the one checkpoint ``path`` was made with: a change of a key in

@@ -295,7 +295,7 @@ def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
 
 def test_resume_keeps_what_the_checkpoint_depends_on_and_reports_other_changes(tmp_path, capsys):
     Trainer(toy(tmp_path, "train.max_steps=2")).train()
-    for key, value in (("train.group_size", 4), ("optim.lr", 0.5), ("seed", 1)):
+    for key, value in (("train.group_size", 4), ("train.prompts_per_step", 2), ("seed", 1)):
         with pytest.raises(ConfigError, match=rf"bad value for '{key}': {value}, but checkpoint .*step-2 was made "
                                               "with .*; a resumed run keeps it"):
             Trainer(toy(tmp_path, "train.max_steps=3", "resume=latest", f"{key}={value}")).train()
@@ -304,6 +304,15 @@ def test_resume_keeps_what_the_checkpoint_depends_on_and_reports_other_changes(t
     assert "resuming with changed settings: grpo.clip_eps 0.2 -> 0.3" in capsys.readouterr().out
     assert "clip_eps: 0.2" in (tmp_path / "config-before-step-2.yaml").read_text()
     assert "clip_eps: 0.3" in (tmp_path / "config.yaml").read_text()
+
+
+def test_resume_applies_a_changed_optimiser_config(tmp_path, capsys):
+    Trainer(toy(tmp_path, "train.max_steps=2", "optim.lr=0.1")).train()
+    trainer = Trainer(toy(tmp_path, "train.max_steps=3", "resume=latest", "optim.lr=0.02", "optim.weight_decay=0.5"))
+    history = trainer.train()
+    assert "optim.lr 0.1 -> 0.02" in capsys.readouterr().out
+    assert history[-1]["step"] == 3 and history[-1]["lr"] == pytest.approx(0.02)
+    assert all(g["weight_decay"] == 0.5 for g in trainer.optimizer.param_groups)
 
 
 def test_an_unreadable_checkpoint_is_one_line_naming_it_and_the_one_before(tmp_path):
