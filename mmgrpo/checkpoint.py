@@ -68,14 +68,14 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """The dotted keys whose value differs between the checkpoint's config ``old`` and the resumed run's ``new``:
-    ``(fixed, other)``, where ``fixed`` match :data:`FIXED_ON_RESUME` and ``other`` are the rest, minus
-    :data:`FREE_ON_RESUME`."""
+    """The dotted keys whose value differs between the checkpoint's config ``old`` and the resumed run's ``new``
+    (both :func:`flatten`-ed): ``(fixed, other)``, where ``fixed`` match :data:`FIXED_ON_RESUME` and ``other`` are
+    the rest, minus :data:`FREE_ON_RESUME`."""
     def matches(key: str, patterns: tuple[str, ...]) -> bool:
         return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
 
-    a, b = flatten(old), flatten(new)
-    changed = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and not matches(k, FREE_ON_RESUME))
+    changed = sorted(k for k in old.keys() | new.keys()
+                     if old.get(k) != new.get(k) and not matches(k, FREE_ON_RESUME))
     fixed = [k for k in changed if matches(k, FIXED_ON_RESUME)]
     return fixed, [k for k in changed if k not in fixed]
 

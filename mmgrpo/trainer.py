@@ -197,17 +197,17 @@ class Trainer:
                       if f.is_file()), None)
         if saved is None:
             return
-        old = yaml.safe_load(saved.read_text())
-        fixed, other = checkpoint.config_changes(old, to_dict(self.cfg))
-        values = checkpoint.flatten(old), checkpoint.flatten(to_dict(self.cfg))
+        old = checkpoint.flatten(yaml.safe_load(saved.read_text()))
+        new = checkpoint.flatten(to_dict(self.cfg))
+        fixed, other = checkpoint.config_changes(old, new)
         if fixed:
             key = fixed[0]
-            raise ConfigError(f"bad value for '{key}': {values[1].get(key)!r}, but checkpoint {path} was made with "
-                              f"{values[0].get(key)!r}; a resumed run keeps it (the weights, optimiser and sampler "
-                              "state depend on it): resume with the old value, or start a new output_dir")
+            raise ConfigError(f"bad value for '{key}': {new.get(key)!r}, but checkpoint {path} was made with "
+                              f"{old.get(key)!r}; a resumed run keeps it (the weights, sampler and RNG state "
+                              "depend on it): resume with the old value, or start a new output_dir")
         if other:
             self.accelerator.print("resuming with changed settings: " + ", ".join(
-                f"{k} {values[0].get(k)!r} -> {values[1].get(k)!r}" for k in other))
+                f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in other))
             previous = self.run_dir / checkpoint.CONFIG_FILE
             if self.accelerator.is_main_process and previous.is_file():
                 step = checkpoint.read_state(path)["step"]
