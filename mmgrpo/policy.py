@@ -146,17 +146,16 @@ class Policy(ABC):
         acc = getattr(self, "accelerator", None)
         return acc.get_state_dict(self.model) if acc is not None else self.model.state_dict()
 
+    @property
+    def sharded(self) -> bool:
+        """Whether ``model`` trains with parameters sharded over processes (:func:`sharded_parameters`)."""
+        acc = getattr(self, "accelerator", None)
+        return acc is not None and sharded_parameters(acc)
+
     def sharded_state_dict(self) -> dict[str, torch.Tensor] | None:
         """:meth:`full_state_dict` when ``model`` is sharded (FSDP or DeepSpeed ZeRO-3), else None (the unwrapped
         module holds every weight). Collective when sharded: ``save`` calls it on every process."""
-        acc = getattr(self, "accelerator", None)
-        if acc is None:
-            return None
-        from accelerate.utils import DistributedType
-
-        plugin = acc.state.deepspeed_plugin
-        zero3 = acc.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
-        return self.full_state_dict() if acc.distributed_type == DistributedType.FSDP or zero3 else None
+        return self.full_state_dict() if self.sharded else None
 
     @abstractmethod
     def save(self, directory: Path) -> None:
@@ -194,20 +193,29 @@ class PipelineSpec:
     build: Callable[[Any], Policy]
     """``build(cfg) -> Policy``."""
     description: str = ""
-    shardable: bool = True
-    """Whether the policy trains with parameters sharded over processes (FSDP, DeepSpeed ZeRO-3): every process
-    must then run the same forwards, since each one gathers shards from all of them."""
 
 
-def check_sharding(cfg: Any, sharded: bool) -> None:
-    """ConfigError when the run shards the parameters (``sharded``) and the pipeline ``cfg.pipeline`` cannot
-    train that way; called before any weights load."""
-    from mmgrpo.registry import PIPELINES
+def any_process(flag: bool) -> bool:
+    """Whether ``flag`` is True on any process: an all-reduce when torch.distributed runs (collective: every process
+    must call it), ``flag`` itself otherwise."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    from accelerate import PartialState
 
-    if sharded and not PIPELINES.get(cfg.pipeline).shardable:
-        raise ConfigError(f"pipeline '{cfg.pipeline}' cannot train with sharded parameters (FSDP, DeepSpeed ZeRO-3): "
-                          "its sampling runs a different number of forwards on each process; launch with DDP or "
-                          "ZeRO-2 (configs/accelerate/ddp.yaml, deepspeed_zero2.yaml)")
+    value = torch.tensor([int(flag)], device=PartialState().device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def sharded_parameters(acc: Any) -> bool:
+    """Whether the accelerate run ``acc`` shards the parameters over processes (FSDP, DeepSpeed ZeRO-3): every
+    process must then run the same forwards, since each one gathers the shards from all of them."""
+    from accelerate.utils import DistributedType
+
+    if acc.distributed_type == DistributedType.FSDP:
+        return True
+    plugin = acc.state.deepspeed_plugin
+    return acc.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
 
 
 def check_even_eval_split(num_items: int, num_processes: int, sharded: bool) -> None:
@@ -223,8 +231,14 @@ def check_even_eval_split(num_items: int, num_processes: int, sharded: bool) -> 
 def frozen_copy(module: nn.Module) -> nn.Module:
     """A deep copy of ``module`` without grad, in eval mode: the KL reference of a full fine-tune.
 
-    Refuses weights that DeepSpeed ZeRO-3 partitioned while loading (``zero3_init_flag: true``): their copy would
-    hold this process's shards only, which no engine gathers."""
+    Refuses weights that were not loaded whole in this process: on the meta device (FSDP's RAM-efficient loading)
+    or partitioned by DeepSpeed ZeRO-3 (``zero3_init_flag: true``), whose copy would hold this process's shards
+    only, which no engine gathers."""
+    if any(p.is_meta for p in module.parameters()):
+        raise ConfigError("the KL reference of a full fine-tune is a copy of the loaded weights, which this process "
+                          "holds on the meta device (FSDP's cpu_ram_efficient_loading loads them on the main process "
+                          "only): set 'fsdp_cpu_ram_efficient_loading: false' in the accelerate config "
+                          "(configs/accelerate/fsdp.yaml does), use LoRA, or set grpo.kl_beta=0")
     if any(hasattr(p, "ds_id") for p in module.parameters()):
         raise ConfigError("the KL reference of a full fine-tune is a copy of the loaded weights, which DeepSpeed "
                           "ZeRO-3 partitioned at load: set 'zero3_init_flag: false' in the accelerate config "

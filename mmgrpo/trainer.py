@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, DistributedType, gather_object, set_seed
+from accelerate.utils import DeepSpeedPlugin, gather_object, set_seed
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -42,7 +42,14 @@ from mmgrpo.grpo import (
     ratio_stats,
     weighted_reward,
 )
-from mmgrpo.policy import Policy, Rollout, build_policy, check_even_eval_split, check_sharding, update_sizes
+from mmgrpo.policy import (
+    Policy,
+    Rollout,
+    build_policy,
+    check_even_eval_split,
+    sharded_parameters,
+    update_sizes,
+)
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
@@ -68,14 +75,6 @@ def configure_deepspeed(plugin: DeepSpeedPlugin, cfg: BaseConfig) -> None:
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = int(cfg.train.micro_batch_size)
 
 
-def sharded_parameters(acc: Accelerator) -> bool:
-    """Whether this run shards the parameters over processes (FSDP, DeepSpeed ZeRO-3)."""
-    if acc.distributed_type == DistributedType.FSDP:
-        return True
-    plugin = acc.state.deepspeed_plugin
-    return acc.distributed_type == DistributedType.DEEPSPEED and plugin is not None and plugin.zero_stage == 3
-
-
 class Trainer:
     """Runs ``cfg.train.max_steps`` optimiser steps of GRPO on ``policy``. See the module docstring."""
 
@@ -87,8 +86,6 @@ class Trainer:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         set_seed(cfg.seed, device_specific=True)
-        if policy is None:
-            check_sharding(cfg, sharded_parameters(acc))
         self.policy = policy if policy is not None else build_policy(cfg)
         self.rewards = RewardZoo(cfg.rewards)
         self.loss_fn = POLICY_LOSSES.get(cfg.grpo.loss)

@@ -26,9 +26,6 @@ def build_vlm_policy(cfg: VLMConfig) -> Policy:
 
 PIPELINES.register("flow", PipelineSpec(FlowConfig, build_flow_policy,
                                         "flow-matching image/video generators (SD3.x, FLUX.1, Wan)"))
-# vlm: each process decodes until its own rows end, calling the unwrapped model; sharded weights would need every
-# process to run the same forwards (synced decoding), which is not built.
 PIPELINES.register("vlm", PipelineSpec(VLMConfig, build_vlm_policy,
-                                       "vision-language reasoners on images and videos (Qwen2-VL family)",
-                                       shardable=False))
+                                       "vision-language reasoners on images and videos (Qwen2-VL family)"))
 

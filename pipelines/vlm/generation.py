@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -180,10 +180,16 @@ def stack_prefills(prefills: list[tuple[torch.Tensor, object, torch.Tensor]], ma
 
 @torch.no_grad()
 def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tensor, cfg: VLMGenerationConfig,
-           generator: torch.Generator | None, attention_mask: torch.Tensor | None = None) -> Completions:
+           generator: torch.Generator | None, attention_mask: torch.Tensor | None = None,
+           synced: Callable[[bool], bool] | None = None) -> Completions:
     """Sample from the prefill ``logits`` (B,V) on, feeding each token back through ``cache`` at ``next_position``
     (lead,1 or B,1) onwards; ``attention_mask`` (B,capacity) hides cache columns (left padding). Rows stop at EOS
-    (and leave the batch) or at ``cfg.max_new_tokens``."""
+    or at ``cfg.max_new_tokens``, and finished rows leave the batch.
+
+    ``synced`` (sharded parameters, where every forward gathers weights from all processes): called once per
+    token with whether this process has rows left to decode, it returns whether any process has. Finished rows
+    then stay in the batch, fed padding and sampling nothing, and decoding goes on until every process is done,
+    so all processes run the same number of forwards."""
     group, vocab = logits.shape
     device = logits.device
     suppress = torch.tensor(vlm.vision_token_ids + list(range(vlm.vocab_size, vocab)), dtype=torch.long,
@@ -195,25 +201,32 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
     lengths = torch.zeros(group, dtype=torch.long, device=device)
     finished = torch.zeros(group, dtype=torch.bool, device=device)
     alive = torch.arange(group, device=device)
+    """The rows of the batch, as indices into the group."""
     lead = next_position.shape[0]
     position = next_position.expand(lead, group, 1)
     prefix = cache.get_seq_length()
     cache_name = cache_argument(base_class(vlm.model))
     for t in range(limit):
-        token = sample_tokens(logits, suppress, cfg, generator)
-        tokens[alive, t] = token
-        logps[alive, t] = gather_logprobs(logits, token, scoring_temperature(cfg))
-        lengths[alive] = t + 1
-        done = torch.isin(token, eos)
-        if done.any():
-            finished[alive[done]] = True
-            if done.all():
+        live = ~finished[alive]  # every row, unless synced decoding keeps finished ones in the batch
+        rows, live_logits = alive[live], logits[live]
+        sampled = sample_tokens(live_logits, suppress, cfg, generator)
+        tokens[rows, t] = sampled
+        logps[rows, t] = gather_logprobs(live_logits, sampled, scoring_temperature(cfg))
+        lengths[rows] = t + 1
+        finished[rows[torch.isin(sampled, eos)]] = True
+        token = torch.full_like(alive, vlm.pad_token_id).masked_scatter(live, sampled)  # finished rows: padding
+        unfinished = ~finished[alive]
+        if synced is None and not unfinished.all():
+            keep = unfinished.nonzero()[:, 0]
+            if len(keep) == 0:
                 break
-            keep = (~done).nonzero()[:, 0]
             alive, token, position = alive[keep], token[keep], position[:, keep]
             attention_mask = None if attention_mask is None else attention_mask[keep]
             cache.batch_select_indices(keep)
         if t == limit - 1:
+            break
+        more = bool(unfinished.any())
+        if not (more if synced is None else synced(more)):
             break
         extra = {} if attention_mask is None else {"attention_mask": attention_mask[:, :prefix + t + 1]}
         logits = vlm.model(input_ids=token[:, None], position_ids=position + t if lead == 3 else position[0] + t,
@@ -240,10 +253,12 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def generate_groups(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], group_size: int,
-                    gen_cfg: VLMGenerationConfig, generator: torch.Generator | None = None) -> list[Completions]:
+                    gen_cfg: VLMGenerationConfig, generator: torch.Generator | None = None,
+                    synced: Callable[[bool], bool] | None = None) -> list[Completions]:
     """``group_size`` completions of each prompt (batch-1 ``inputs`` from ``VLMModel.prompt_inputs``): each prompt
     and its vision inputs prefilled once with the KV cache shared across its group, and the groups decoded
-    together, ``gen_cfg.batch_rows`` rows at a time (0: one group at a time; a group is never split)."""
+    together, ``gen_cfg.batch_rows`` rows at a time (0: one group at a time; a group is never split).
+    ``synced``: see :func:`decode` (every process must pass the same number of prompts)."""
     per_call = max(1, gen_cfg.batch_rows // group_size)
     out = []
     with eval_mode(vlm.model):
@@ -253,18 +268,19 @@ def generate_groups(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], group
             stacked = stack_prefills(prefills, gen_cfg.max_new_tokens) if len(prefills) > 1 else None
             if stacked is not None:
                 logits, cache, positions, attention = stacked
-                decoded = [decode(vlm, logits, cache, positions, gen_cfg, generator, attention)]
+                decoded = [decode(vlm, logits, cache, positions, gen_cfg, generator, attention, synced)]
             else:
-                decoded = [decode(vlm, *p, gen_cfg, generator) for p in prefills]
+                decoded = [decode(vlm, *p, gen_cfg, generator, synced=synced) for p in prefills]
             for batch in decoded:
                 out += [batch.rows(r, r + group_size) for r in range(0, len(batch.texts), group_size)]
     return out
 
 
 def generate_group(vlm: VLMModel, inputs: dict[str, torch.Tensor], group_size: int, gen_cfg: VLMGenerationConfig,
-                   generator: torch.Generator | None = None) -> Completions:
+                   generator: torch.Generator | None = None,
+                   synced: Callable[[bool], bool] | None = None) -> Completions:
     """``group_size`` completions of one prompt (:func:`generate_groups`)."""
-    return generate_groups(vlm, [inputs], group_size, gen_cfg, generator)[0]
+    return generate_groups(vlm, [inputs], group_size, gen_cfg, generator, synced)[0]
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from mmgrpo.pipelines.vlm.vllm_backend import (
     media_limits,
 )
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
-from mmgrpo.policy import LogProbs, Policy, Rollout, RunError
+from mmgrpo.policy import LogProbs, Policy, Rollout, RunError, any_process
 from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
 from mmgrpo.rewards.text_rules import PROBLEM_TYPES
@@ -96,6 +97,28 @@ def item_source(item: dict) -> str:
 def media_type(sample: VLMSample) -> str:
     """``video`` (has a video), ``image`` (images only) or ``text`` (no media)."""
     return "video" if sample.videos else "image" if sample.images else "text"
+
+
+def vision_calls(sample: VLMSample) -> tuple[bool, bool]:
+    """(has images, has videos): which vision-tower calls (one per kind, whatever the count) a forward of the
+    sample makes."""
+    return bool(sample.images), bool(sample.videos)
+
+
+def check_same_vision_calls(items: list[dict]) -> None:
+    """ConfigError unless every item's sample makes the same vision-tower calls (:func:`vision_calls`). Sharded
+    parameters (FSDP, ZeRO-3) need it: each forward gathers the weights of the modules it runs from all processes,
+    so a process running the vision tower on videos must not meet one running it on images only."""
+    kinds = defaultdict(list)
+    for item in items:
+        kinds[vision_calls(item["sample"])].append(item_source(item))
+    if len(kinds) > 1:
+        names = {(False, False): "text-only", (True, False): "image", (False, True): "video",
+                 (True, True): "image+video"}
+        found = ", ".join(f"{len(v)} {names[k]} (e.g. {v[0]})" for k, v in kinds.items())
+        raise ConfigError(f"bad value for 'data.media_types': sharded parameters (FSDP, DeepSpeed ZeRO-3) need every "
+                          f"sample to run the vision tower the same way, but the data has {found}; keep one kind "
+                          f"(data.media_types) or launch with DDP or ZeRO-2")
 
 
 def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
@@ -156,6 +179,8 @@ class VLMPolicy(Policy):
         self._bad: dict[str, str] = {}
         """Source of every item found bad -> the counter it is reported under."""
         self._zoo: RewardZoo | None = None
+        self.synced: Callable[[bool], bool] | None = None
+        """:func:`~mmgrpo.policy.any_process` when the parameters are sharded (set by :meth:`setup`): decoding goes on in step."""
 
     # ------------------------------------------------------------------------------------------------ data
     def datasets(self) -> tuple[list[dict], list[dict]]:
@@ -297,7 +322,7 @@ class VLMPolicy(Policy):
             self.sampler.sleep()
         else:
             completions = generate_groups(self.vlm, [p.inputs for p in prepared], group_size, cfg.generation,
-                                          generator)
+                                          generator, self.synced)
         for i, (p, out) in enumerate(zip(prepared, completions)):
             rollout_tokens += int(out.mask.sum())
             base = p.meta()
@@ -307,7 +332,7 @@ class VLMPolicy(Policy):
                 else:
                     acc, tokens = tgrpo.shuffled_accuracy(self.vlm, p.item["prompt"], p.images, p.videos, p.fps,
                                                           base, shuffled_count, cfg, self.accuracy, generator,
-                                                          cpu_generator)
+                                                          cpu_generator, self.synced)
                 rollout_tokens += tokens
                 counters["tokens/shuffled"] += tokens
                 base[SHUFFLED_ACC_KEY] = acc
@@ -410,13 +435,20 @@ class VLMPolicy(Policy):
         prompts, texts, meta = [], [], []
         per_call = max(1, gen_cfg.batch_rows)  # prepared (decoded) media are held for one call's items only
         for start in range(0, len(items), per_call):
-            prepared = [p for p in (self._try_prepare(item, counters) for item in items[start:start + per_call])
-                        if p is not None]
-            for p, out in zip(prepared, generate_groups(self.vlm, [p.inputs for p in prepared], 1, gen_cfg,
-                                                        generator)):
-                prompts.append(p.item["prompt"])
-                texts += out.texts
-                meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
+            prepared = [self._try_prepare(item, counters) for item in items[start:start + per_call]]
+            answered = [p is not None for p in prepared]
+            if self.synced is not None and not all(answered):
+                # every process must run the same forwards: a skipped item is stood in for, its answer dropped
+                stand_in = next((p for p in prepared if p is not None), None) or self._prepare_rollout(
+                    self.train_items[:1], counters, torch.Generator().manual_seed(self.cfg.seed))[0]
+                prepared = [p or stand_in for p in prepared]
+            rows = [(p, real) for p, real in zip(prepared, answered) if p is not None]
+            outs = generate_groups(self.vlm, [p.inputs for p, _ in rows], 1, gen_cfg, generator, self.synced)
+            for (p, real), out in zip(rows, outs):
+                if real:
+                    prompts.append(p.item["prompt"])
+                    texts += out.texts
+                    meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
         return RewardBatch(prompts=prompts, group=torch.arange(len(prompts)), completions=texts, meta=meta)
 
     def save_samples(self, batch: RewardBatch, directory: Path, tag: str) -> list[Path]:
@@ -445,6 +477,19 @@ class VLMPolicy(Policy):
         return [path]
 
     # ------------------------------------------------------------------------------------------------ weights
+    def setup(self, accelerator: Any) -> None:
+        """With sharded parameters, check that every forward can run the same on all processes (FSDP2 shards the
+        model in place, which the sampler calls; FSDP1 wraps it) and decode in step (:func:`decode`'s ``synced``)."""
+        super().setup(accelerator)
+        if not self.sharded:
+            return
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
+            raise ConfigError("the vlm pipeline samples through the model itself, which FSDP1 hides inside its "
+                              "wrapper: set fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp.yaml)")
+        check_same_vision_calls(self.train_items + self.held_items)
+        self.synced = any_process
+
     def save(self, directory: Path) -> None:
         """PEFT adapter (LoRA) or a full ``save_pretrained`` folder, plus the processor (:meth:`VLMModel.save`)."""
         state = self.sharded_state_dict()  # collective under FSDP / ZeRO-3

@@ -9,6 +9,7 @@ video's frames in a random non-identity order (prefill shared, as for the ordere
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,12 +51,14 @@ def bonus_spec(cfg: VLMConfig) -> Any:
 
 def shuffled_accuracy(vlm: VLMModel, prompt: str, images: list[torch.Tensor], videos: list[torch.Tensor],
                       fps: list[float], meta: dict[str, Any], count: int, cfg: VLMConfig, accuracy: AccuracyReward,
-                      generator: torch.Generator | None, frame_generator: torch.Generator) -> tuple[float, int]:
+                      generator: torch.Generator | None, frame_generator: torch.Generator,
+                      synced: Callable[[bool], bool] | None = None) -> tuple[float, int]:
     """(mean accuracy, completion tokens) of ``count`` answers to ``prompt`` with each video (T,3,H,W) uint8
-    shuffled along T by ``frame_generator``; ``meta`` is the ordered samples' meta (ground truth, problem type)."""
+    shuffled along T by ``frame_generator``; ``meta`` is the ordered samples' meta (ground truth, problem type).
+    ``synced``: see :func:`~mmgrpo.pipelines.vlm.generation.decode`."""
     shuffled = [shuffle_frames(v, frame_generator) for v in videos]
     inputs = vlm.prompt_inputs(prompt, images, shuffled, fps)
-    out = generate_group(vlm, inputs, count, cfg.generation, generator)
+    out = generate_group(vlm, inputs, count, cfg.generation, generator, synced)
     batch = RewardBatch(prompts=[prompt] * count, group=torch.zeros(count, dtype=torch.long),
                         completions=out.texts, meta=[meta] * count)
     scores = torch.as_tensor(accuracy(batch), dtype=torch.float64)

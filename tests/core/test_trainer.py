@@ -20,7 +20,6 @@ from mmgrpo.cli import _policy_and_weights
 from mmgrpo.config import ConfigError, load_config
 from mmgrpo.policy import (
     check_even_eval_split,
-    check_sharding,
     frozen_copy,
     rows_after_first_update,
     update_sizes,
@@ -88,21 +87,14 @@ def test_deepspeed_takes_the_runs_clipping_and_micro_batch(tmp_path):
     assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
 
 
-def test_sharded_parameters_are_refused_by_the_vlm_pipeline_only(tmp_path):
-    vlm = load_config(ROOT / "configs" / "vlm" / "tiny_image.yaml", [f"output_dir={tmp_path}"])
-    flow = load_config(ROOT / "configs" / "flow" / "tiny_flowgrpo.yaml", [f"output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match="pipeline 'vlm' cannot train with sharded parameters .*launch with DDP or "
-                                          "ZeRO-2"):
-        check_sharding(vlm, sharded=True)
-    check_sharding(vlm, sharded=False)
-    check_sharding(flow, sharded=True)
+def test_sharded_parameters_need_held_out_items_that_split_evenly():
     with pytest.raises(ConfigError, match="'data.num_eval': 10 held-out items do not split evenly over 4 processes"):
         check_even_eval_split(10, 4, sharded=True)
     check_even_eval_split(10, 4, sharded=False)  # DDP: every process holds whole weights
     check_even_eval_split(12, 4, sharded=True)
 
 
-def test_frozen_copy_is_a_frozen_equal_copy_and_refuses_zero3_shards():
+def test_frozen_copy_is_a_frozen_equal_copy_and_refuses_weights_not_loaded_whole():
     module = torch.nn.Linear(3, 2)
     ref = frozen_copy(module)
     assert not ref.training and not any(p.requires_grad for p in ref.parameters())
@@ -112,6 +104,8 @@ def test_frozen_copy_is_a_frozen_equal_copy_and_refuses_zero3_shards():
     module.weight.ds_id = 0  # the attribute ZeRO-3 puts on the parameters it partitions at load
     with pytest.raises(ConfigError, match="DeepSpeed ZeRO-3 partitioned at load: set 'zero3_init_flag: false'"):
         frozen_copy(module)
+    with pytest.raises(ConfigError, match="on the meta device .*'fsdp_cpu_ram_efficient_loading: false'"):
+        frozen_copy(torch.nn.Linear(3, 2, device="meta"))  # how FSDP's RAM-efficient loading leaves other ranks
 
 
 def test_update_sizes_deal_micro_batches_evenly():

@@ -1,5 +1,11 @@
 """Group sampling: vision tokens suppressed, EOS / truncation, reproducibility, shared prefill == per-row prefill,
-decode positions (M-RoPE) that agree with a full forward, and several prompts decoded together == one by one."""
+decode positions (M-RoPE) that agree with a full forward, several prompts decoded together == one by one, and synced
+decoding (every process steps until all are done) with and without FSDP2-sharded weights."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +22,7 @@ from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -170,3 +177,50 @@ def test_sampled_groups_decoded_together_score_like_the_full_forward(vlm, prompt
             full = token_logprobs(vlm.model, [p], out.ids, out.mask, index, False)
         assert (full - out.logprobs).abs().max() < 1e-4
         assert out.mask[:, -1].any()  # trimmed to the group's own longest completion
+
+
+def test_synced_decoding_runs_every_forward_and_samples_the_same():
+    """``synced``: while another process still decodes (here: always), finished rows stay in the batch and every
+    token step still calls the model, and the samples are those of decoding alone, token for token. On the shipped
+    tiny Qwen2-VL, whose answers end long before the token limit."""
+    vlm = VLMModel(VLMModelConfig(path=str(ROOT / "assets" / "tiny-qwen2vl-shapes")))
+    image = torch.randint(0, 256, (3, 56, 56), dtype=torch.uint8, generator=seeded(0))
+    video = torch.randint(0, 256, (4, 3, 56, 56), dtype=torch.uint8, generator=seeded(1))
+    prompts = [vlm.prompt_inputs("How many shapes are in the image?", [image], [], []),
+               vlm.prompt_inputs("Which way does the shape move?", [], [video], [2.0])]
+    calls = []
+    hook = vlm.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        for temperature in (0.0, 1.5):
+            cfg = VLMGenerationConfig(max_new_tokens=24, temperature=temperature, batch_rows=8)
+            calls.clear()
+            alone = generate_groups(vlm, prompts, 4, cfg, seeded(7))
+            needed = len(calls)
+            calls.clear()
+            synced = generate_groups(vlm, prompts, 4, cfg, seeded(7), synced=lambda more: True)
+            assert len(calls) == len(prompts) + cfg.max_new_tokens - 1  # prefills, then one call per token step
+            assert needed < len(calls)  # these rows end early on their own
+            for a, b in zip(alone, synced):
+                assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and a.texts == b.texts
+                assert torch.equal(a.truncated, b.truncated) and (a.logprobs - b.logprobs).abs().max() < 1e-5
+    finally:
+        hook.remove()
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
+def test_synced_decoding_with_fsdp2_sharded_weights_on_two_processes(tmp_path, support_env):
+    """The shipped tiny Qwen2-VL sharded with FSDP2 over two gloo processes (tests/support/fsdp_generation_check.py),
+    each sampling other questions: the processes' rows end at different steps, yet both make the same model calls
+    (else the weight gathers mismatch and the run dies) and sample what the whole, unsharded model samples."""
+    out = tmp_path / "fsdp.json"
+    cmd = ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
+           "--main_process_port", "29541", str(ROOT / "tests" / "support" / "fsdp_generation_check.py"), str(out)]
+    proc = subprocess.run(cmd, env={**support_env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    first, second = report["processes"]
+    assert report["sharded"]
+    assert first["forwards_alone"] != second["forwards_alone"]  # without syncing, the calls would differ
+    assert first["forwards"] == second["forwards"] == max(first["forwards_alone"], second["forwards_alone"])
+    assert first["same_as_unsharded"] and second["same_as_unsharded"]

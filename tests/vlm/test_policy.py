@@ -16,7 +16,7 @@ from random_vlm import DATA, RANDOM_TINY_VLM
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.grpo import ppo_clip_loss
 from mmgrpo.pipelines.vlm.data import read_samples
-from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy
+from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy, check_same_vision_calls
 from mmgrpo.pipelines.vlm.video import decode_video, load_image
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.trainer import Trainer
@@ -210,6 +210,39 @@ def test_bad_media_stops_the_run_with_on_bad_media_error(lora_policy, tmp_path):
     finally:
         policy.cfg.data.on_bad_media = "skip"
         policy._bad.clear()
+
+
+def test_synced_evaluation_stands_in_for_skipped_items(lora_policy, tmp_path):
+    """Under sharded weights (``synced``) a skipped held-out item is stood in for by a valid one, so the process
+    makes the same model calls as the others; its answer is dropped, and the rest answer as without syncing."""
+    policy = lora_policy
+    items = [policy._item(s) for s in read_samples(bad_data(tmp_path, good=2), DATA)]
+    good, bad = items[:2], items[2:4]
+    calls = []
+    hook = policy.vlm.model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        with pytest.warns(UserWarning, match="skipping"):
+            plain = policy.generate([good[0], bad[0], good[1], bad[1]])
+        plain_calls, calls[:] = len(calls), []
+        policy.synced = lambda more: more  # one process: "any process" is this one
+        synced = policy.generate([good[0], bad[0], good[1], bad[1]])
+    finally:
+        policy.synced = None
+        hook.remove()
+        policy._bad.clear()
+    assert synced.completions == plain.completions and len(synced) == 2
+    assert [m["source"] for m in synced.meta] == [g["sample"].source for g in good]
+    assert len(calls) > plain_calls  # the stand-ins were sampled too
+
+
+def test_sharded_weights_need_every_sample_to_run_the_vision_tower_alike(lora_policy):
+    train, held = lora_policy.datasets()
+    images = [i for i in train + held if i["sample"].images and not i["sample"].videos]
+    check_same_vision_calls(images)  # one kind: fine
+    mixed = images[:2] + [{"prompt": "Say hi.", "sample": replace(images[0]["sample"], images=[])}]
+    with pytest.raises(ConfigError, match=r"'data.media_types': sharded parameters .* 2 image \(e.g. .*\), 1 "
+                                          r"text-only .*DDP or ZeRO-2"):
+        check_same_vision_calls(mixed)
 
 
 def test_prompt_over_the_token_budget(lora_policy):

@@ -173,7 +173,7 @@ def test_shuffled_rollouts_see_shuffled_frames_and_are_scored_with_accuracy(poli
     p = policy._prepare(video)
     seen = {}
 
-    def fake_generate(vlm, inputs, count, gen_cfg, generator):
+    def fake_generate(vlm, inputs, count, gen_cfg, generator, synced):
         seen["inputs"], seen["count"] = inputs, count
         texts = [f"<answer>{p.meta()['answer']}</answer>", "<answer>Z</answer>"]
         return Completions(ids=torch.ones(2, 3, dtype=torch.long), mask=torch.ones(2, 3, dtype=torch.bool),
