@@ -30,7 +30,7 @@ import importlib.util
 import json
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -831,11 +831,20 @@ class WanExperts(nn.Module):
 
     Under grad, the trainable parameters of an expert that did not run join the output times 0: every trained
     weight is in every graph (as DDP without ``find_unused_parameters`` needs; a step that only a frozen expert
-    ran still back-propagates), with a zero gradient."""
+    ran still back-propagates), with a zero gradient. Under sharded weights see :attr:`synced`."""
 
     def __init__(self, transformer: nn.Module, transformer_2: nn.Module, boundary: float):
         super().__init__()
         self.transformer, self.transformer_2, self.boundary = transformer, transformer_2, boundary
+        self._no_split_modules = sorted({name for t in (transformer, transformer_2)
+                                         for name in getattr(t, "_no_split_modules", None) or []})
+        """The experts' block classes, which FSDP's transformer-based wrapping shards one by one (it reads the
+        root module's list)."""
+        self.synced: Callable[[bool], bool] | None = None
+        """Set under sharded weights (FSDP, ZeRO-3), where every process must run the same experts: called with
+        whether this process's rows need an expert, it returns whether any process's do, and an expert any
+        process needs runs everywhere (its rows taken from the other where this process needs none). The
+        zero-gradient join of idle experts, which only DDP needs, is then left out."""
 
     def high_noise(self, timestep: Tensor) -> Tensor:
         """(n,) bool: the rows of ``timestep`` ((n,), or per token (n, L) with the row's t as maximum) that
@@ -848,14 +857,17 @@ class WanExperts(nn.Module):
         ``return_dict=False``, the only form asked for)."""
         high = self.high_noise(timestep)
         pairs = ((self.transformer, high), (self.transformer_2, ~high))
-        ran = [expert for expert, rows in pairs if bool(rows.any())]
+        needed = [bool(rows.any()) for _, rows in pairs]
+        if self.synced is not None:
+            needed = [self.synced(need) for need in needed]
+        ran = [expert for (expert, _), need in zip(pairs, needed) if need]
         outs = [expert(hidden_states=hidden_states.to(expert.dtype), timestep=timestep,
                        encoder_hidden_states=encoder_hidden_states.to(expert.dtype), return_dict=False)[0]
                 for expert in ran]
         out = outs[0] if len(outs) == 1 else torch.where(high.view(-1, *[1] * (outs[0].ndim - 1)), *outs)
         idle = [p for expert, _ in pairs if all(expert is not r for r in ran)
                 for p in expert.parameters() if p.requires_grad]
-        if idle and torch.is_grad_enabled():
+        if idle and torch.is_grad_enabled() and self.synced is None:
             out = out + 0.0 * sum(p.sum() for p in idle)
         return (out,)
 

@@ -33,11 +33,11 @@ from accelerate import PartialState
 from torch import Tensor
 
 from mmgrpo.grpo import clip_advantages, gaussian_mean_kl
-from mmgrpo.policy import LogProbs, Policy, Rollout, rows_after_first_update
+from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, rows_after_first_update
 from mmgrpo.rewards import RewardBatch
 
 from . import kernels, media, schedules, tree
-from .adapters import load_adapter
+from .adapters import WanExperts, load_adapter
 from .config import FlowConfig
 from .data import prompt_datasets
 from .modes import LinearPlan, TreePlan, build_mode, checked, sde_kernel
@@ -94,6 +94,13 @@ class FlowPolicy(Policy):
         t = self.mode.trainable_steps
         zeros = torch.zeros(t, 1)
         return self.kernel(zeros, zeros, self.sigmas[:t], self.sigmas[1:t + 1], noise=zeros).std
+
+    def setup(self, accelerator: Any) -> None:
+        """Under sharded weights, a two-expert Wan2.2 model runs on every process the experts any process needs
+        (:attr:`WanExperts.synced`): a DanceGRPO replay can need both on one process and one on another."""
+        super().setup(accelerator)
+        if self.sharded and isinstance(self.adapter.transformer, WanExperts):
+            self.adapter.transformer.synced = any_process
 
     # ------------------------------------------------------------------------------------------ data, io
     def datasets(self) -> tuple[list[dict], list[dict]]:

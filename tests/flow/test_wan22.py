@@ -150,6 +150,35 @@ def test_experts_switch_at_the_boundary_as_in_the_stock_pipeline(lora):
     assert ad.transformer.high_noise(torch.tensor([800.0, 799.99])).tolist() == [True, False]  # t >= boundary
 
 
+def test_experts_name_their_blocks_for_fsdp_wrapping(lora):
+    """FSDP's transformer-based wrapping reads the root module's ``_no_split_modules`` and finds those classes
+    in it (accelerate's own lookup): the two-expert module lists its experts' blocks."""
+    from accelerate.utils.dataclasses import get_module_class_from_name
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+
+    experts = lora("a14b").transformer
+    assert experts._no_split_modules == ["WanTransformerBlock"]
+    assert get_module_class_from_name(experts, "WanTransformerBlock") is WanTransformerBlock
+
+
+def test_synced_experts_run_what_any_process_needs_with_the_same_output(lora):
+    """Under sharded weights (``synced``), an expert another process needs runs here too, and the rows still
+    come from their own expert: high-noise rows give the same velocity through both experts."""
+    ad = lora("a14b")
+    x, e, sigma = latents(ad, 2), ad.encode(["synced a", "synced b"], "", 1.0), torch.tensor([0.9, 0.9])
+    with recording(ad.parts) as calls, torch.no_grad():
+        alone = ad.velocity(x, sigma, e, 1.0)
+    assert [c[0] for c in calls] == ["transformer"]
+    ad.transformer.synced = lambda need: True  # another process needs both experts
+    try:
+        with recording(ad.parts) as calls, torch.no_grad():
+            synced = ad.velocity(x, sigma, e, 1.0)
+    finally:
+        ad.transformer.synced = None
+    assert [c[0] for c in calls] == ["transformer", "transformer_2"]
+    assert torch.equal(alone, synced)
+
+
 def test_guidance_scale_2_guides_the_low_noise_expert_steps_as_the_stock_pipeline(folders, lora):
     g2 = 2.0
     ad = load_adapter(cfg_of(folders["a14b"], guidance_scale_2=g2))
