@@ -153,6 +153,18 @@ def check_spec(name: str, args: dict[str, Any] | None, key: str) -> None:
     _check_args(obj, {k: v for k, v in args.items() if k not in ZOO_ARGS}, f"{key}.args", f"reward '{name}'")
 
 
+def called_on_batches(fn: Any) -> bool:
+    """Whether the plain function ``fn`` is a reward itself, called on each batch: ``fn(batch)`` or TRL's
+    ``fn(prompts, completions, **kwargs)``, rather than a factory called with the spec's args."""
+    if is_trl_signature(fn):
+        return True
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].name == "batch"
+
+
 def _check_args(obj: Any, args: dict[str, Any], key: str, what: str) -> None:
     """``args`` (at config key ``key``) against the signature of ``obj``, a reward or component constructor named
     ``what`` in messages; then each component ``obj`` builds from them."""
@@ -162,6 +174,10 @@ def _check_args(obj: Any, args: dict[str, Any], key: str, what: str) -> None:
         return
     if not args and not isinstance(obj, type):
         return  # a plain function, called on the batch
+    if not isinstance(obj, type) and called_on_batches(obj):
+        raise ConfigError(f"unknown key '{key}.{next(iter(args))}': {what} is a function called on each batch "
+                          f"(fn(batch) or fn(prompts, completions, **kwargs)) and takes no args; to configure "
+                          f"it, register a factory that takes the args and returns a Reward")
     try:
         params = inspect.signature(obj).parameters.values()
     except (TypeError, ValueError):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmgrpo.cli import main as cli_main
-from mmgrpo.config import RewardSpec
+from mmgrpo.config import ConfigError, RewardSpec
 from mmgrpo.registry import REWARDS
 from mmgrpo.rewards import FunctionReward, RewardBatch, RewardZoo, build_reward
 from mmgrpo.rewards.base import is_trl_signature
@@ -81,6 +81,15 @@ def test_plain_function_by_import_path(user_module):
     main, logged, seconds = zoo(f"{user_module}:plain")(batch2())
     assert main[:, 0].tolist() == [1.0, 3.0]
     assert list(logged) == [f"{user_module}:plain"] and seconds[f"{user_module}:plain"] >= 0
+
+
+@pytest.mark.parametrize("name", ["plain", "trl_style"])
+def test_a_function_called_on_batches_takes_no_args_and_says_so(user_module, name):
+    """Args meant for a batch-called function would be passed to it as a factory call; the config error says why
+    instead of suggesting its batch parameter (or asking for its ``prompts``)."""
+    with pytest.raises(ConfigError, match=rf"unknown key 'rewards.0.args.scale': reward '{user_module}:{name}' is a "
+                                          r"function called on each batch .* takes no args; .*register a factory"):
+        zoo(f"{user_module}:{name}", scale=2.0)
 
 
 def test_trl_style_function_is_wrapped(user_module):
