@@ -66,3 +66,7 @@ if acc.is_main_process:
         json.dump({"processes": reports,
                    "sharded": sharded_before}, f)
 acc.wait_for_everyone()
+# destroy the group while the interpreter is fully alive, after releasing the sharded modules that hold it: a gloo
+# group left to interpreter exit can abort the process (Trainer.close does the same)
+policy = model = whole = sharded = None
+acc.end_training()
