@@ -180,7 +180,8 @@ class VLMPolicy(Policy):
         """Source of every item found bad -> the counter it is reported under."""
         self._zoo: RewardZoo | None = None
         self.synced: Callable[[bool], bool] | None = None
-        """:func:`~mmgrpo.policy.any_process` when the parameters are sharded (set by :meth:`setup`): decoding goes on in step."""
+        """:func:`~mmgrpo.policy.any_process` when the parameters are sharded (set by :meth:`setup`): decoding
+        goes on in step."""
 
     # ------------------------------------------------------------------------------------------------ data
     def datasets(self) -> tuple[list[dict], list[dict]]:
