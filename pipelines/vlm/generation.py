@@ -208,7 +208,7 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
     cache_name = cache_argument(base_class(vlm.model))
     for t in range(limit):
         live = ~finished[alive]  # every row, unless synced decoding keeps finished ones in the batch
-        rows, live_logits = alive[live], logits[live]
+        rows, live_logits = (alive, logits) if synced is None else (alive[live], logits[live])
         sampled = sample_tokens(live_logits, suppress, cfg, generator)
         tokens[rows, t] = sampled
         logps[rows, t] = gather_logprobs(live_logits, sampled, scoring_temperature(cfg))
