@@ -30,10 +30,10 @@ def one_thread():
 
 
 @pytest.fixture
-def train_on_two_processes(support_env, tmp_path):
-    """``train_on_two_processes(config, *overrides) -> dict``: trains ``config`` under ``accelerate launch`` with two
-    gloo DDP processes (configs/accelerate/cpu_2proc.yaml) through tests/support/pipeline_ddp_check.py, and returns
-    its report (num_processes, param_rank_diff, param_change, onpolicy_max_dev)."""
+def launch_two_processes(support_env, tmp_path):
+    """``launch_two_processes(script, *args, port) -> dict``: runs ``tests/support/<script> OUT.json *args`` under
+    ``accelerate launch`` with two gloo processes (configs/accelerate/cpu_2proc.yaml) on rendezvous ``port``, and
+    returns the JSON report the script writes to OUT.json."""
     import json
     import shutil
     import subprocess
@@ -43,15 +43,27 @@ def train_on_two_processes(support_env, tmp_path):
     launcher = SUPPORT.parent.parent / "configs" / "accelerate" / "cpu_2proc.yaml"
     env = {**support_env, "OMP_NUM_THREADS": "1"}
 
-    def run(config, *overrides):
-        out = tmp_path / "ddp.json"
-        cmd = ["accelerate", "launch", "--config_file", str(launcher), "--main_process_port", "29523",
-               str(SUPPORT / "pipeline_ddp_check.py"), str(out), str(config), f"output_dir={tmp_path / 'run'}",
-               "logging.progress=false", "logging.plot_every=0", "train.eval_every=0", "train.save_every=0",
-               *overrides]
+    def run(script, *args, port: int):
+        out = tmp_path / f"{Path(script).stem}.json"
+        cmd = ["accelerate", "launch", "--config_file", str(launcher), "--main_process_port", str(port),
+               str(SUPPORT / script), str(out), *map(str, args)]
         proc = subprocess.run(cmd, env=env, cwd=SUPPORT.parent.parent, capture_output=True, text=True, timeout=300,
                               check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(out.read_text())
+
+    return run
+
+
+@pytest.fixture
+def train_on_two_processes(launch_two_processes, tmp_path):
+    """``train_on_two_processes(config, *overrides) -> dict``: trains ``config`` with two gloo DDP processes through
+    tests/support/pipeline_ddp_check.py, and returns its report (num_processes, param_rank_diff, param_change,
+    onpolicy_max_dev)."""
+
+    def run(config, *overrides):
+        return launch_two_processes("pipeline_ddp_check.py", config, f"output_dir={tmp_path / 'run'}",
+                                    "logging.progress=false", "logging.plot_every=0", "train.eval_every=0",
+                                    "train.save_every=0", *overrides, port=29523)
 
     return run

@@ -2,9 +2,6 @@
 decode positions (M-RoPE) that agree with a full forward, several prompts decoded together == one by one, and synced
 decoding (every process steps until all are done) with and without FSDP2-sharded weights."""
 
-import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -207,18 +204,11 @@ def test_synced_decoding_runs_every_forward_and_samples_the_same():
         hook.remove()
 
 
-@pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
-def test_synced_decoding_with_fsdp2_sharded_weights_on_two_processes(tmp_path, support_env):
+def test_synced_decoding_with_fsdp2_sharded_weights_on_two_processes(launch_two_processes):
     """The shipped tiny Qwen2-VL sharded with FSDP2 over two gloo processes (tests/support/fsdp_generation_check.py),
     each sampling other questions: the processes' rows end at different steps, yet both make the same model calls
     (else the weight gathers mismatch and the run dies) and sample what the whole, unsharded model samples."""
-    out = tmp_path / "fsdp.json"
-    cmd = ["accelerate", "launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu_2proc.yaml"),
-           "--main_process_port", "29541", str(ROOT / "tests" / "support" / "fsdp_generation_check.py"), str(out)]
-    proc = subprocess.run(cmd, env={**support_env, "OMP_NUM_THREADS": "1"}, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report = launch_two_processes("fsdp_generation_check.py", port=29541)
     first, second = report["processes"]
     assert report["sharded"]
     assert first["forwards_alone"] != second["forwards_alone"]  # without syncing, the calls would differ
