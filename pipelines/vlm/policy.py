@@ -32,6 +32,7 @@ from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
+from mmgrpo.pipelines.vlm.vision_calls import VisionCallBalancer, calls_to_balance
 from mmgrpo.pipelines.vlm.vllm_backend import (
     VLLMSampler,
     backend_unavailable,
@@ -97,28 +98,6 @@ def item_source(item: dict) -> str:
 def media_type(sample: VLMSample) -> str:
     """``video`` (has a video), ``image`` (images only) or ``text`` (no media)."""
     return "video" if sample.videos else "image" if sample.images else "text"
-
-
-def vision_calls(sample: VLMSample) -> tuple[bool, bool]:
-    """(has images, has videos): which vision-tower calls (one per kind, whatever the count) a forward of the
-    sample makes."""
-    return bool(sample.images), bool(sample.videos)
-
-
-def check_same_vision_calls(items: list[dict]) -> None:
-    """ConfigError unless every item's sample makes the same vision-tower calls (:func:`vision_calls`). Sharded
-    parameters (FSDP, ZeRO-3) need it: each forward gathers the weights of the modules it runs from all processes,
-    so a process running the vision tower on videos must not meet one running it on images only."""
-    kinds = defaultdict(list)
-    for item in items:
-        kinds[vision_calls(item["sample"])].append(item_source(item))
-    if len(kinds) > 1:
-        names = {(False, False): "text-only", (True, False): "image", (False, True): "video",
-                 (True, True): "image+video"}
-        found = ", ".join(f"{len(v)} {names[k]} (e.g. {v[0]})" for k, v in kinds.items())
-        raise ConfigError(f"bad value for 'data.media_types': sharded parameters (FSDP, DeepSpeed ZeRO-3) need every "
-                          f"sample to run the vision tower the same way, but the data has {found}; keep one kind "
-                          f"(data.media_types) or launch with DDP or ZeRO-2")
 
 
 def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
@@ -479,8 +458,9 @@ class VLMPolicy(Policy):
 
     # ------------------------------------------------------------------------------------------------ weights
     def setup(self, accelerator: Any) -> None:
-        """With sharded parameters, check that every forward can run the same on all processes (FSDP2 shards the
-        model in place, which the sampler calls; FSDP1 wraps it) and decode in step (:func:`decode`'s ``synced``)."""
+        """With sharded parameters, make every forward run the same modules on all processes (FSDP2 shards the
+        model in place, which the sampler calls; FSDP1 wraps it): decode in step (:func:`decode`'s ``synced``)
+        and, on data that mixes media kinds, balance the vision-tower calls (:class:`VisionCallBalancer`)."""
         super().setup(accelerator)
         if not self.sharded:
             return
@@ -488,7 +468,9 @@ class VLMPolicy(Policy):
         if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
             raise ConfigError("the vlm pipeline samples through the model itself, which FSDP1 hides inside its "
                               "wrapper: set fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp.yaml)")
-        check_same_vision_calls(self.train_items + self.held_items)
+        calls = calls_to_balance([item["sample"] for item in self.train_items + self.held_items])
+        if calls:
+            VisionCallBalancer(self.vlm.model, calls)
         self.synced = any_process
 
     def save(self, directory: Path) -> None:

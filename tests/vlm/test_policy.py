@@ -16,7 +16,7 @@ from random_vlm import DATA, RANDOM_TINY_VLM
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.grpo import ppo_clip_loss
 from mmgrpo.pipelines.vlm.data import read_samples
-from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy, check_same_vision_calls
+from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy
 from mmgrpo.pipelines.vlm.video import decode_video, load_image
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.trainer import Trainer
@@ -233,16 +233,6 @@ def test_synced_evaluation_stands_in_for_skipped_items(lora_policy, tmp_path):
     assert synced.completions == plain.completions and len(synced) == 2
     assert [m["source"] for m in synced.meta] == [g["sample"].source for g in good]
     assert len(calls) > plain_calls  # the stand-ins were sampled too
-
-
-def test_sharded_weights_need_every_sample_to_run_the_vision_tower_alike(lora_policy):
-    train, held = lora_policy.datasets()
-    images = [i for i in train + held if i["sample"].images and not i["sample"].videos]
-    check_same_vision_calls(images)  # one kind: fine
-    mixed = images[:2] + [{"prompt": "Say hi.", "sample": replace(images[0]["sample"], images=[])}]
-    with pytest.raises(ConfigError, match=r"'data.media_types': sharded parameters .* 2 image \(e.g. .*\), 1 "
-                                          r"text-only .*DDP or ZeRO-2"):
-        check_same_vision_calls(mixed)
 
 
 def test_prompt_over_the_token_budget(lora_policy):
