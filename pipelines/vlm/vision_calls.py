@@ -80,7 +80,7 @@ class VisionCallBalancer:
         for _ in range(self.calls - real):
             out = self.tower(self.pixels.to(embeds.device, self.tower.dtype), grid_thw=self.grid.to(embeds.device))
             out = getattr(out, "pooler_output", out)  # an output object in recent transformers, a tensor before
-            embeds = embeds + 0.0 * out.sum().to(embeds.dtype)
+            embeds = embeds + (0.0 * out.float().sum()).to(embeds.dtype)  # fp32: a half-precision sum may overflow
         self.real = 0  # the dummy calls above were counted
         return args, {**kwargs, "inputs_embeds": embeds}
 
