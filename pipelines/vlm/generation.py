@@ -162,7 +162,8 @@ def stack_prefills(prefills: list[tuple[torch.Tensor, object, torch.Tensor]], ma
     caches = [cache for _, cache, _ in prefills]
     if not all(type(layer) is BufferLayer for cache in caches for layer in cache.layers):
         return None
-    length = max(cache.layers[0].length for cache in caches)
+    lengths = [cache.layers[0].length for cache in caches]  # before the merge below replaces caches[0]'s layers
+    length = max(lengths)
     capacity = length + max_new_tokens
     merged = caches[0]
     for i in range(len(merged.layers)):
@@ -172,8 +173,8 @@ def stack_prefills(prefills: list[tuple[torch.Tensor, object, torch.Tensor]], ma
     positions = torch.cat([nxt.expand(-1, len(lg), -1) for lg, _, nxt in prefills], dim=1)
     attention = torch.ones(len(logits), capacity, dtype=torch.long, device=logits.device)
     row = 0
-    for lg, cache, _ in prefills:
-        attention[row:row + len(lg), :length - cache.layers[0].length] = 0
+    for (lg, _, _), own in zip(prefills, lengths):
+        attention[row:row + len(lg), :length - own] = 0
         row += len(lg)
     return logits, merged, positions, attention
 

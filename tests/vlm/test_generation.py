@@ -149,9 +149,13 @@ def prompts(vlm, video_prompt):
             vlm.prompt_inputs("Count to three, slowly and carefully.", [], [], [])]
 
 
-def test_groups_decoded_together_equal_groups_decoded_alone(vlm, prompts):
-    lengths = {p["input_ids"].shape[1] for p in prompts}
-    assert len(lengths) == 3
+@pytest.mark.parametrize("order", ["longest first", "shortest first"])
+def test_groups_decoded_together_equal_groups_decoded_alone(vlm, prompts, order):
+    """The stacked cache left-pads every prompt shorter than the longest, wherever it sits in the batch (the
+    first prompt's cache object holds the merged layers, so its own length must be read before the merge)."""
+    prompts = prompts if order == "longest first" else prompts[::-1]
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    assert len(set(lengths)) == 3 and (lengths[0] == max(lengths)) == (order == "longest first")
     greedy = VLMGenerationConfig(max_new_tokens=12, temperature=0.0)
     alone = [generate_group(vlm, p, 3, greedy) for p in prompts]
     for batch_rows in (9, 6):  # all three groups in one batch; two and one
@@ -162,9 +166,11 @@ def test_groups_decoded_together_equal_groups_decoded_alone(vlm, prompts):
             assert torch.equal(a.truncated, b.truncated) and (a.logprobs - b.logprobs).abs().max() < 1e-5
 
 
-def test_sampled_groups_decoded_together_score_like_the_full_forward(vlm, prompts):
+@pytest.mark.parametrize("order", ["longest first", "shortest first"])
+def test_sampled_groups_decoded_together_score_like_the_full_forward(vlm, prompts, order):
     """Every row's positions and padding mask are right: its tokens score as in one forward of [its prompt;
     its completion]."""
+    prompts = prompts if order == "longest first" else prompts[::-1]
     cfg = VLMGenerationConfig(max_new_tokens=12, batch_rows=12)
     outs = generate_groups(vlm, prompts, 4, cfg, seeded(9))
     assert len(outs) == 3 and all(len(o.texts) == 4 for o in outs)
