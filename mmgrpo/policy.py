@@ -43,7 +43,8 @@ class Rollout:
     - ``recompute_old_logp``: set by a policy whose sampling forwards cannot use the training chunking (consecutive
       rows in ``train.micro_batch_size`` chunks, then ``unit_chunks``); the trainer then takes ``old_logp`` from
       ``log_probs``: for the rows of the first update from that update's own forward, for the rows of later updates
-      (:func:`rows_after_first_update`) from a no-grad pass before it, and logs how far the sampling log-probs were.
+      (:func:`rows_after_first_update`) from a no-grad pass before it, and logs how far the sampling log-probs were
+      (``old_logp`` NaN where the sampler did not report them).
     - ``weights_updated``: set by the trainer after its first optimiser step on this rollout. Until then the
       weights are the ones that sampled it, so a policy may reuse no-grad forwards it kept from sampling (the flow
       policy's unconditional CFG velocities) instead of running them again.

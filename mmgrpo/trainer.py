@@ -351,8 +351,9 @@ class Trainer:
                     first = torch.cat(first_devs)
                     onpolicy_dev = first.max().item() if first.numel() else math.nan
                 if sampled_logp is not None and recompute_dev is None:  # every row has its old log-prob now
-                    dev = (rollout.old_logp - sampled_logp).abs()[mask]
-                    recompute_dev = dev.max().item() if dev.numel() else 0.0
+                    reported = mask & sampled_logp.isfinite()  # NaN: a sampler that did not report it
+                    dev = (rollout.old_logp - sampled_logp).abs()[reported]
+                    recompute_dev = dev.max().item() if dev.numel() else math.nan
                 # all parameters: accelerate clips FSDP's sharded gradients by their global norm only when given
                 # the model's full parameter list (frozen ones have no gradient and do not count); an infinite
                 # max_norm measures the norm without clipping
@@ -384,7 +385,7 @@ class Trainer:
                     metrics["grad_norm"] = float(grad_norm)
                 if not finite:
                     metrics["train/skipped_update"] = 1.0
-                if recompute_dev is not None:
+                if recompute_dev is not None and not math.isnan(recompute_dev):
                     metrics["logp/rollout_vs_recompute_max_dev"] = recompute_dev
                 on_step(metrics)
                 if self.step >= cfg.train.max_steps:

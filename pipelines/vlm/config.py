@@ -132,8 +132,9 @@ class VLMGenerationConfig:
     """Between rollouts, offload the engine's weights to CPU memory and free its KV cache (vLLM sleep level 1),
     leaving that GPU memory to training; costs a copy back at every rollout."""
     vllm_check_logprobs: bool = True
-    """Ask vLLM for the sampled tokens' log-probs and log ``logp/rollout_vs_recompute_max_dev`` (their max gap to
-    the training forward's) when the scoring temperature is 1; training never uses them."""
+    """Ask vLLM for the sampled tokens' log-probs, which the trainer compares with the training forward's
+    (``logp/rollout_vs_recompute_max_dev``), when the scoring temperature is 1 (vLLM reports raw-logit log-probs);
+    training never uses them."""
     vllm_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of ``vllm.LLM``, overriding ours (e.g. ``enforce_eager: true``, ``max_num_seqs``);
     ``mm_processor_kwargs`` given here are merged into ours (the pixel bounds that keep decoded media unresized)."""

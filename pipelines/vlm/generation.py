@@ -36,7 +36,8 @@ class Completions:
     - ``texts``: decoded, special tokens stripped.
     - ``logprobs``: (G,L) fp32 log-probs of the sampled tokens under the model at :func:`scoring_temperature` (no
       suppression, top-k or top-p) from the incremental KV-cache path, 0 where masked. For diagnostics only: these
-      differ slightly from a full forward, so the old log-probs for training come from ``token_logprobs``.
+      differ slightly from a full forward, so the trainer takes the old log-probs from ``token_logprobs`` and logs
+      the gap (``logp/rollout_vs_recompute_max_dev``).
     """
 
     ids: torch.Tensor

@@ -269,8 +269,8 @@ class VLMPolicy(Policy):
         return torch.Generator(device=device).manual_seed(seed), torch.Generator().manual_seed(seed + 1)
 
     def _logprobs(self, module: torch.nn.Module, data: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
-        """(n, L) fp32 log-probs of rollout ``rows`` under ``module``, each chunk trimmed to its longest completion
-        (the same trimming in rollout and training, so the forwards are identical)."""
+        """(n, L) fp32 log-probs of rollout ``rows`` under ``module``, the forward trimmed to their longest
+        completion (so the same rows give the same forward in every pass)."""
         rows = rows.to(data["ids"].device)
         index = data["prompt_index"][rows]
         used, local = index.unique(return_inverse=True)
@@ -282,14 +282,15 @@ class VLMPolicy(Policy):
         return torch.nn.functional.pad(logp, (0, data["ids"].shape[1] - width))
 
     def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:
-        """G completions per item (plus T-GRPO's shuffled ones), rewards' batch, and old log-probs."""
+        """G completions per item (plus T-GRPO's shuffled ones), rewards' batch, and the sampler's log-probs (the
+        trainer takes the old log-probs from the training forward: ``recompute_old_logp``)."""
         cfg = self.cfg
         self.cache.clear()
         counters: dict[str, float] = defaultdict(float, dict.fromkeys(SKIP_COUNTERS, 0.0))
         generator, cpu_generator = self._generators()
         prepared = self._prepare_rollout(items, counters, cpu_generator)
         shuffled_count = cfg.tgrpo.shuffled_group_size or group_size
-        ids, masks, truncated, texts, meta, prompts = [], [], [], [], [], []
+        ids, masks, sampled, truncated, texts, meta, prompts = [], [], [], [], [], [], []
         ordered_acc, shuffled_acc = [], []
         rollout_tokens = 0
         shuffled = None  # T-GRPO results of the vLLM backend, by prompt index
@@ -322,6 +323,7 @@ class VLMPolicy(Policy):
                 ordered_acc.append(torch.as_tensor(self.accuracy(scored), dtype=torch.float64).nanmean().item())
             ids.append(out.ids)
             masks.append(out.mask)
+            sampled.append(out.logprobs)
             truncated.append(out.truncated)
             texts += out.texts
             meta += [{**base, "truncated": bool(t)} for t in out.truncated.tolist()]
@@ -331,21 +333,22 @@ class VLMPolicy(Policy):
         width = max(x.shape[1] for x in ids)
         all_ids = torch.full((n, width), self.vlm.pad_token_id, dtype=torch.long, device=self.vlm.device)
         all_mask = torch.zeros(n, width, dtype=torch.bool, device=self.vlm.device)
+        # the sampler's log-probs (KV-cache decoding, or vLLM's; NaN where not reported): the trainer replaces them
+        # by the training forward's (recompute_old_logp), so the first ratio is exactly 1, and logs how far they were
+        old = torch.zeros(n, width, device=self.vlm.device)
         row = 0
-        for x, m in zip(ids, masks):
+        for x, m, lp in zip(ids, masks, sampled):
             all_ids[row:row + len(x), :x.shape[1]] = x
             all_mask[row:row + len(x), :x.shape[1]] = m
+            old[row:row + len(x), :x.shape[1]] = lp
             row += len(x)
         all_truncated = torch.cat(truncated).to(self.vlm.device)
         prompt_index = torch.arange(len(prepared), device=self.vlm.device).repeat_interleave(group_size)
         data = {"prompts": prompts, "ids": all_ids, "mask": all_mask, "prompt_index": prompt_index}
-        old = torch.zeros(n, width, device=self.vlm.device)
-        for chunk in torch.arange(n).split(cfg.train.micro_batch_size):
-            old[chunk.to(old.device)] = self._logprobs(self.model, data, chunk)
         trained = all_mask & ~all_truncated[:, None] if cfg.generation.mask_truncated else all_mask
         counters.update(self._token_counters(data, all_truncated, rollout_tokens))
-        if self.sampler is not None:  # vllm/* counters and logp/rollout_vs_recompute_max_dev
-            counters.update(self.sampler.rollout_counters(completions, old, all_mask, cfg.generation))
+        if self.sampler is not None:
+            counters.update(self.sampler.rollout_counters())
         if self.accuracy is not None:
             counters["tgrpo/video_groups"] = float(len(shuffled_acc))
             if shuffled_acc:
@@ -356,7 +359,7 @@ class VLMPolicy(Policy):
         batch = RewardBatch(prompts=[p.item["prompt"] for p in prepared for _ in range(group_size)],
                             group=group, completions=texts, meta=meta)
         return Rollout(group=group.to(self.vlm.device), old_logp=old, mask=trained, reward_batch=batch, data=data,
-                       counters=dict(counters))
+                       counters=dict(counters), recompute_old_logp=True)
 
     def max_units(self) -> int:
         """``generation.max_new_tokens``: a rollout's width is its longest completion, which varies."""

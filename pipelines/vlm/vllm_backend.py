@@ -10,8 +10,9 @@ hub id of ``model.path``. Per rollout:
 2. :meth:`VLLMSampler.generate` sends one request per prepared prompt (:func:`build_request`) with ``n = G``
    (:func:`sampling_kwargs`); prefix caching is on, so a group's samples can reuse their shared prompt's KV.
 3. The outputs become the same :class:`~mmgrpo.pipelines.vlm.generation.Completions` the transformers path returns
-   (:func:`to_completions`). The old log-probs are *not* taken from vLLM: the policy recomputes them with the
-   training forward (``token_logprobs``), so the first ratio is exactly 1, as with ``backend: hf``.
+   (:func:`to_completions`). The old log-probs are *not* taken from vLLM: the trainer takes them from the
+   training forward (``token_logprobs``; ``Rollout.recompute_old_logp``), so the first ratio is exactly 1, as with
+   ``backend: hf``, and logs how far vLLM's were when it reported them.
 
 Weight names (:func:`checkpoint_name`): the trained module's state dict, stripped of wrapper prefixes (``module.``
 from DDP, ``_orig_mod.`` from torch.compile, ``base_model.model.`` from PEFT), with LoRA layers merged (``W +
@@ -39,6 +40,7 @@ the engine calls themselves run only on a GPU machine with vLLM installed, which
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import time
@@ -247,7 +249,7 @@ def to_completions(samples: Sequence[tuple], pad_token_id: int, eos_token_ids: S
 
     ``ids`` are right-padded with ``pad_token_id``, ``mask`` covers the real tokens including the EOS,
     ``truncated`` is ``length`` without a final EOS, ``texts`` are decoded with special tokens skipped, and
-    ``logprobs`` are the given ones (0 where masked) or zeros. A ``stop`` without a final EOS (a stop string, or a
+    ``logprobs`` are the given ones, or NaN (not reported), on the real tokens and 0 where masked. A ``stop`` without a final EOS (a stop string, or a
     vLLM that drops the EOS) or any other finish reason raises ValueError rather than training on a guess."""
     eos = {int(t) for t in eos_token_ids}
     rows, truncated, logps = [], [], []
@@ -272,8 +274,7 @@ def to_completions(samples: Sequence[tuple], pad_token_id: int, eos_token_ids: S
     for i, (ids, values) in enumerate(zip(rows, logps)):
         out_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         mask[i, :len(ids)] = True
-        if values is not None:
-            logprobs[i, :len(ids)] = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        logprobs[i, :len(ids)] = math.nan if values is None else torch.tensor([float(v) for v in values])
     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
     return Completions(ids=out_ids.to(device), mask=mask.to(device),
                        truncated=torch.tensor(truncated, dtype=torch.bool, device=device), texts=texts,
@@ -285,16 +286,6 @@ def sampled_logprobs(token_ids: Sequence[int], steps: Sequence[Any] | None) -> l
     if steps is None:
         return None
     return [float(step[int(t)].logprob) for t, step in zip(token_ids, steps)]
-
-
-def logprob_deviation(completions: Sequence[Completions], old: torch.Tensor, mask: torch.Tensor) -> float:
-    """Max |rollout log-prob - recomputed old log-prob| over the real tokens of a rollout (rows in the order of
-    ``completions``; ``old`` and ``mask`` (N, L))."""
-    width = old.shape[1]
-    rollout = torch.cat([torch.nn.functional.pad(c.logprobs, (0, width - c.logprobs.shape[1]))
-                         for c in completions]).to(old.device)
-    gap = (rollout - old.float()).abs().masked_fill(~mask, 0.0)
-    return float(gap.max()) if gap.numel() else 0.0
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -430,8 +421,10 @@ class VLLMSampler:
         processor, vlm = self.vlm.processor, self.vlm
         requests = [build_request(processor, p.item["prompt"], p.images, p.videos, p.fps) for p in prepared]
         seeds = draw_seeds(generator, len(requests))
+        # vLLM reports log-probs of the raw logits: comparable with the trainer's only at scoring temperature 1
+        logprobs = gen_cfg.vllm_check_logprobs and scoring_temperature(gen_cfg) == 1.0
         params = [self.vllm.SamplingParams(**sampling_kwargs(gen_cfg, group_size, seed, self.allowed,
-                                                             vlm.eos_token_ids, gen_cfg.vllm_check_logprobs))
+                                                             vlm.eos_token_ids, logprobs))
                   for seed in seeds]
         outputs = llm.generate(requests, params, use_tqdm=False)
         mismatch = 0
@@ -458,15 +451,9 @@ class VLLMSampler:
             self._llm.sleep(level=1)
             self._asleep = True
 
-    def rollout_counters(self, completions: Sequence[Completions], old: torch.Tensor, mask: torch.Tensor,
-                         gen_cfg: VLMGenerationConfig) -> dict[str, float]:
-        """This rollout's ``vllm/*`` counters, and ``logp/rollout_vs_recompute_max_dev`` (vLLM's log-probs of the
-        sampled tokens vs the training forward's) when ``generation.vllm_check_logprobs`` is on and the scoring
-        temperature is 1 (vLLM reports log-probs of the raw logits, before temperature)."""
-        counters = dict(self._counters)
-        self._counters = {}
-        if gen_cfg.vllm_check_logprobs and scoring_temperature(gen_cfg) == 1.0:
-            counters["logp/rollout_vs_recompute_max_dev"] = logprob_deviation(completions, old, mask)
+    def rollout_counters(self) -> dict[str, float]:
+        """This rollout's ``vllm/*`` counters (and ``time/vllm_sync_s``), then cleared."""
+        counters, self._counters = self._counters, {}
         return counters
 
 

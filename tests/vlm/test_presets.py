@@ -34,6 +34,8 @@ def test_tiny_preset_trains_on_policy(tmp_path, preset, extra_keys):
     assert [r["step"] for r in rows] == [1, 2]
     first = rows[0]
     assert first["ratio/onpolicy_max_dev"] <= 1e-5
+    # the sampler (KV-cache decoding, batched, left-padded) scores its tokens as the training forward does
+    assert all(r["logp/rollout_vs_recompute_max_dev"] <= 1e-4 for r in rows)
     assert TOKEN_KEYS | extra_keys <= set(first) and not any(k.startswith("nfe/") for k in first)
     assert first["tokens/completion"] > 0 and first["data/skipped_media"] == 0
     # the shipped SFT'd model answers some questions right and some wrong, so the first step already trains
