@@ -5,7 +5,8 @@ Honesty rules:
 
 - The held-out prompts are scored twice only, before and after training; nothing is selected on them. During
   training, a validation set (training prompts for flow, unseen questions of the training seeds for vlm; never
-  held-out ones) is scored every ``eval_every`` steps, and the reported model is the validation-best snapshot.
+  held-out ones) is scored every ``eval_every`` steps, and the reported model is chosen by
+  ``DemoSpec.selection``: the validation-best snapshot (flow), or the last one (vlm, whose lr decays to 0).
 - The report also gives what the training reward does not see. Flow: the held-out metric is the full ShapesT2I
   evaluator (colour, shape, count, position, size, background), plus the diversity of samples for one prompt and
   the distance of object sizes and positions from the data. VLM: the answer diversity of the multiple-choice
@@ -73,6 +74,10 @@ class DemoSpec:
     """Prompts in the validation set (scored with ``samples_per_prompt`` samples each)."""
     train_minutes: float
     """Wall-clock budget for the training phase."""
+    selection: str = "best"
+    """Which eligible snapshot is reported: ``best`` on validation, or ``last`` (for a schedule that decays the lr
+    to 0, where the policy settles at the end and the late snapshots differ by less than validation can resolve:
+    the maximum of their noisy scores picks noise)."""
     val_file: str | None = None
     """Validation prompts unseen in training and disjoint from the held-out set (relative to the repository root,
     read by the policy's ``read_items``); None draws ``num_val`` training prompts (docs/demo.md: why the VLM
@@ -84,8 +89,8 @@ DEMOS = {
     "flow": DemoSpec(preset="configs/flow/demo_shapes.yaml", asset="assets/tiny-sd3-shapes", task="ShapesT2I", metric="shapes_eval/score",
                      guard="diversity", stop_on_guard=True, samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
-                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=100, num_val=192, train_minutes=13.0,
-                    val_file="assets/data/shapes_qa/val.jsonl"),
+                    guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=100, num_val=192, train_minutes=14.0,
+                    selection="last", val_file="assets/data/shapes_qa/val.jsonl"),
 }
 
 
@@ -251,9 +256,9 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     console.print(f"before training: held-out {spec.metric} = {before[spec.metric]:.3f}")
     val_base, _ = evaluate(policy, zoo, val_items, spec, flow)
     validations = [(0, val_base)]
-    best = {"step": 0, "metrics": val_base}
+    reported = {"step": 0, "metrics": val_base}
     snapshot = out / "best-policy"
-    policy.save(snapshot)  # the base model, kept when no later snapshot beats it on validation
+    policy.save(snapshot)  # the base model, kept when no later snapshot is eligible (or beats it on validation)
     budget_s = 60.0 * (minutes if minutes is not None else spec.train_minutes)
     train_start = time.perf_counter()
     stop_reason = {"why": "step budget reached"}
@@ -278,8 +283,8 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
             stop_reason["why"] = (f"early stop at step {step}: validation {below[0]} {metrics[below[0]]:.2f} fell "
                                   f"below {GUARD_FLOOR:.0%} of the base model's {val_base[below[0]]:.2f}")
             return True
-        if kept and metrics[spec.metric] > best["metrics"][spec.metric]:
-            best.update(step=step, metrics=metrics)
+        if kept and (spec.selection == "last" or metrics[spec.metric] > reported["metrics"][spec.metric]):
+            reported.update(step=step, metrics=metrics)
             policy.save(snapshot)
         if out_of_time:
             stop_reason["why"] = f"time budget of {budget_s / 60:.0f} minutes reached at step {step}"
@@ -294,7 +299,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     result = {"task": spec.task, "metric": spec.metric, "before": before[spec.metric],
               "after": after[spec.metric], "minutes": round(total_minutes, 2)}
     (out / "demo.json").write_text(json.dumps(result, indent=2))
-    write_report(out, which, spec, cfg, before, after, validations, history, best["step"], stop_reason["why"],
+    write_report(out, which, spec, cfg, before, after, validations, history, reported["step"], stop_reason["why"],
                  before_batch, after_batch, total_minutes)
     console.print(comparison_table(spec, before, after, flow))
     console.print(f"wrote {out / 'report.md'} and {out / 'demo.json'} ({total_minutes:.1f} minutes)")
@@ -321,7 +326,7 @@ def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -
 
 def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[str, float],
                  after: dict[str, float], validations: list[tuple[int, dict[str, float]]],
-                 history: list[dict[str, Any]], best_step: int, stop_reason: str, before_batch: Any,
+                 history: list[dict[str, Any]], reported_step: int, stop_reason: str, before_batch: Any,
                  after_batch: Any, minutes: float) -> None:
     """report.md with the before/after table, the training and validation curves, and before/after samples."""
     import matplotlib
@@ -335,7 +340,7 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     axes[0].set_title("training reward (rollouts)")
     axes[0].set_xlabel("optimiser step")
     axes[1].plot([s for s, _ in validations], [m[spec.metric] for _, m in validations], marker="o")
-    axes[1].axvline(best_step, color="grey", linestyle="--", label=f"reported model (step {best_step})")
+    axes[1].axvline(reported_step, color="grey", linestyle="--", label=f"reported model (step {reported_step})")
     axes[1].legend(loc="best", fontsize=8)
     axes[1].set_title(f"validation {spec.metric} ({val_source(spec)})")
     axes[1].set_xlabel("optimiser step")
@@ -386,8 +391,8 @@ time(s) with fixed seeds) was scored only before and after training.
 
 The headline metric is `{spec.metric}`. Training ran {history[-1]['step'] if history else 0} optimiser steps
 ({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} {val_source(spec)}{f" from {spec.val_file}" if spec.val_file else ""} was scored;
-the reported model is the validation-best snapshot that kept `{spec.guard}`
-(step {best_step}; step 0 is the base model). {guard_note}{guard_note_failed}{circular_note}
+the reported model is the {"validation-best" if spec.selection == "best" else "last"} snapshot that kept `{spec.guard}`
+(step {reported_step}; step 0 is the base model). {guard_note}{guard_note_failed}{circular_note}
 Total time {minutes:.1f} minutes.
 
 ![reward curve](reward_curve.png)
