@@ -257,7 +257,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     val_base, _ = evaluate(policy, zoo, val_items, spec, flow)
     validations = [(0, val_base)]
     reported = {"step": 0, "metrics": val_base}
-    snapshot = out / "best-policy"
+    snapshot = out / "reported-policy"
     policy.save(snapshot)  # the base model, kept when no later snapshot is eligible (or beats it on validation)
     budget_s = 60.0 * (minutes if minutes is not None else spec.train_minutes)
     train_start = time.perf_counter()
