@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -74,7 +74,7 @@ class DemoSpec:
     """Prompts in the validation set (scored with ``samples_per_prompt`` samples each)."""
     train_minutes: float
     """Wall-clock budget for the training phase."""
-    selection: str = "best"
+    selection: Literal["best", "last"] = "best"
     """Which eligible snapshot is reported: ``best`` on validation, or ``last`` (for a schedule that decays the lr
     to 0, where the policy settles at the end and the late snapshots differ by less than validation can resolve:
     the maximum of their noisy scores picks noise)."""

@@ -161,6 +161,8 @@ class VLMPolicy(Policy):
         self.synced: Callable[[bool], bool] | None = None
         """:func:`~mmgrpo.policy.any_process` when the parameters are sharded (set by :meth:`setup`): decoding
         goes on in step."""
+        self.vision_balancer: VisionCallBalancer | None = None
+        """Set by :meth:`setup` when the parameters are sharded and the data mixes media kinds."""
 
     # ------------------------------------------------------------------------------------------------ data
     def datasets(self) -> tuple[list[dict], list[dict]]:
@@ -473,7 +475,7 @@ class VLMPolicy(Policy):
                               "wrapper: set fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp.yaml)")
         calls = calls_to_balance([item["sample"] for item in self.train_items + self.held_items])
         if calls:
-            VisionCallBalancer(self.vlm.model, calls)
+            self.vision_balancer = VisionCallBalancer(self.vlm.model, calls)
         self.synced = any_process
 
     def save(self, directory: Path) -> None:
