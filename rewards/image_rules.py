@@ -1,4 +1,5 @@
-"""Cheap verifiable image rewards: JPEG (in)compressibility, sharpness and the fraction of a target colour.
+"""Cheap verifiable image rewards: JPEG (in)compressibility, sharpness, the fraction of a target colour, and grid
+seams (a detector for the grid-of-panels reward hack).
 
 Every reward reads ``batch.images`` through :func:`~mmgrpo.rewards.checks.as_rgb_images`, so grayscale and RGBA
 inputs work and values outside [0, 1] fail with a clear message.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import io
 
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from mmgrpo.registry import REWARDS
@@ -18,6 +20,8 @@ from .checks import images_or_raise
 
 # ITU-R BT.601 luma weights, as PIL's convert("L").
 LUMA = (0.299, 0.587, 0.114)
+STEP_TIE = 1e-9
+"""grid_seams: luma steps closer than this are equal (rounding must not decide which one is an edge)."""
 
 
 def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
@@ -153,3 +157,95 @@ class ColorFraction(Reward):
         target = torch.stack(targets).to(images.device).view(-1, 3, 1, 1)
         near = (images - target).norm(dim=1) <= self.tolerance
         return near.flatten(1).to(torch.float64).mean(1).cpu()
+
+
+def step_strength(luma: torch.Tensor, half_width: int) -> torch.Tensor:
+    """(B, H, W) luma -> (B, H, W - 1) step across each column boundary b = 1..W-1: the absolute difference of the
+    mean of the ``half_width`` pixels right of b and of those left of it (fewer at the image's edges)."""
+    width = luma.shape[-1]
+    cumulative = F.pad(luma, (1, 0)).cumsum(-1)  # [..., i] = sum of luma[..., :i]
+    b = torch.arange(1, width, device=luma.device)
+    lo, hi = (b - half_width).clamp(min=0), (b + half_width).clamp(max=width)
+    left = (cumulative[..., b] - cumulative[..., lo]) / (b - lo)
+    right = (cumulative[..., hi] - cumulative[..., b]) / (hi - b)
+    return (right - left).abs()
+
+
+def seam_contrast(luma: torch.Tensor, edge_threshold: float, half_width: int) -> torch.Tensor:
+    """(B, H, W) luma -> (B, W - 1) how much more often than the image's typical column boundary each boundary
+    carries an edge: the fraction of rows where its step exceeds ``edge_threshold`` and is a local maximum along
+    the row (>= both neighbouring boundaries), minus the median of that fraction over all boundaries, clamped at
+    0. A full-height seam in a smooth image scores 1; textures and noise, which have edges everywhere alike,
+    score about 0. Steps within ``STEP_TIE`` of each other are ties (both local maxima), whatever the rounding."""
+    step = step_strength(luma, half_width)
+    padded = F.pad(step, (1, 1)) + STEP_TIE
+    edge = (step > edge_threshold) & (step >= padded[..., :-2]) & (step >= padded[..., 2:])
+    coverage = edge.to(luma.dtype).mean(-2)
+    return (coverage - coverage.median(-1, keepdim=True).values).clamp(min=0)
+
+
+def grid_evidence(contrast: torch.Tensor, max_panels: int, tolerance: float) -> torch.Tensor:
+    """(B, W - 1) seam contrast along one axis -> (B,): the best, over k = 2..max_panels equal panels, of the
+    weakest of their k - 1 seams, each the largest contrast within ``tolerance`` x W (at least 1 px) of its
+    position j W / k."""
+    width = contrast.shape[-1] + 1
+    boundary = torch.arange(1, width, device=contrast.device)
+    slack = max(1.0, tolerance * width)
+    best = torch.zeros(contrast.shape[0], dtype=contrast.dtype, device=contrast.device)
+    for k in range(2, max_panels + 1):
+        seams = [contrast[:, (boundary - j * width / k).abs() <= slack].amax(-1) for j in range(1, k)]
+        best = torch.maximum(best, torch.stack(seams).amin(0))
+    return best
+
+
+@REWARDS.register("grid_seams", kind=POINTWISE, modality="image",
+                  description="evidence in [0, 1] that the image is a grid of panels (seams at k-by-k panel "
+                              "boundaries); weight it negatively against grid hacking")
+class GridSeams(Reward):
+    """Grid-hack detector: evidence in [0, 1] that the image is a grid of k x k, k x 1 or 1 x k equal panels.
+
+    Preference rewards can be gamed by tiling several small pictures into one; the panels meet at straight seams
+    that run the whole height or width at j/k of the side. Along each axis every boundary gets the excess of its
+    edge coverage over the image's median boundary (:func:`seam_contrast`); a grid of k panels scores the weakest
+    of its k - 1 seams, and the image scores its best grid. A photo scores about 0.1, a 2x2 or 3x3 tiling of it
+    0.7-0.8 (tests/rewards/test_image_rules.py). Use it with a negative weight, or as a guard metric.
+
+    It sees seams, not repetition: panels that continue each other smoothly (a mirrored diptych) read as one
+    image, and a straight full-length edge at a panel position (a level horizon at mid-height) reads as a seam.
+
+    Args:
+        max_panels: the largest number of panels per side tested (grids of 2..max_panels).
+        edge_threshold: the smallest luma step (in [0, 1]) counted as an edge.
+        step_width: half-width of the step detector in pixels: a seam blurred over a few pixels (as by a VAE
+            decode) still reads as one step.
+        tolerance: how far from j/k of the side a seam may lie, as a fraction of the side (at least 1 px).
+    """
+
+    modality = "image"
+
+    def __init__(self, max_panels: int = 4, edge_threshold: float = 0.05, step_width: int = 3,
+                 tolerance: float = 0.02):
+        if max_panels < 2:
+            raise ValueError(f"grid_seams: max_panels must be >= 2; got {max_panels}")
+        if not 0 < edge_threshold < 1:
+            raise ValueError(f"grid_seams: edge_threshold must be in (0, 1); got {edge_threshold}")
+        if step_width < 1:
+            raise ValueError(f"grid_seams: step_width must be >= 1 pixel; got {step_width}")
+        if not 0 <= tolerance < 0.25:
+            raise ValueError(f"grid_seams: tolerance must be in [0, 0.25); got {tolerance}")
+        self.max_panels, self.edge_threshold = max_panels, edge_threshold
+        self.step_width, self.tolerance = step_width, tolerance
+
+    def _axis(self, luma: torch.Tensor) -> torch.Tensor:
+        """(B, H, W) -> (B,) grid evidence from the column boundaries."""
+        contrast = seam_contrast(luma, self.edge_threshold, self.step_width)
+        return grid_evidence(contrast, self.max_panels, self.tolerance)
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        images = images_or_raise(batch, "grid_seams")
+        smallest = 2 * self.max_panels
+        if min(images.shape[-2:]) < smallest:
+            raise ValueError(f"grid_seams: images must be at least {smallest}x{smallest} pixels for max_panels="
+                             f"{self.max_panels}; got shape {tuple(images.shape)}")
+        luma = luminance(images.to(torch.float64))[:, 0]
+        return torch.maximum(self._axis(luma), self._axis(luma.transpose(1, 2))).cpu()

@@ -2,10 +2,15 @@
 
 import io
 
+import matplotlib.cbook
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
+from torchvision.transforms.functional import gaussian_blur
 
 from mmgrpo.rewards import RewardBatch, as_rgb_images, as_rgb_videos, build_reward, completions_or_raise
 
@@ -66,7 +71,7 @@ def test_channels_last_hint_and_small_rgb_images():
     assert as_rgb_images(torch.rand(1, 4, 3, 2)).shape == (1, 3, 3, 2)  # RGBA 2 px wide is not ambiguous
 
 
-@pytest.mark.parametrize("name", ["sharpness", "jpeg_compressibility", "color_fraction"])
+@pytest.mark.parametrize("name", ["sharpness", "jpeg_compressibility", "color_fraction", "grid_seams"])
 def test_empty_image_batches_are_one_clear_line(name):
     args = {"rgb": [255, 0, 0]} if name == "color_fraction" else {}
     with pytest.raises(ValueError, match=rf"^reward '{name}': images are empty: got shape \(0, 3, 8, 8\)"):
@@ -203,3 +208,79 @@ def test_color_fraction_target_per_sample():
         build_reward("color_fraction", {"rgb": [1.0, 0.5]})
     with pytest.raises(ValueError, match="tolerance must be > 0"):
         build_reward("color_fraction", {"rgb": [1, 2, 3], "tolerance": 0})
+
+
+# ---------------------------------------------------------------- grid_seams
+
+def test_grid_seams_closed_forms():
+    """One step edge at x = W/2 is a 1x2 grid seam in every row and nowhere else: evidence 1. An edge at W/3
+    alone is no equal-panel grid (3 panels need a second seam at 2W/3): 0. Stripes at W/3 and 2W/3: 1."""
+    half = torch.zeros(1, 3, 48, 48)
+    half[..., 24:] = 1.0
+    third = torch.zeros(1, 3, 48, 48)
+    third[..., 16:] = 1.0
+    stripes = torch.zeros(1, 3, 48, 48)
+    stripes[..., 16:32] = 1.0
+    images = torch.cat([half, third, stripes, half.transpose(2, 3), torch.full((1, 3, 48, 48), 0.5)])
+    assert score("grid_seams", images).tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert score("grid_seams", images, step_width=1).tolist() == [1.0, 0.0, 1.0, 1.0, 0.0]
+    assert score("grid_seams", third, max_panels=3).tolist() == [0.0]
+    # an edge covering the top half of the rows only: its column's coverage is 0.5
+    partial = torch.zeros(1, 3, 48, 48)
+    partial[..., :24, 24:] = 1.0
+    assert score("grid_seams", partial).tolist() == [0.5]
+
+
+def photo(size: int) -> torch.Tensor:
+    """(1, 3, size, size) in [0, 1]: the Grace Hopper portrait that matplotlib ships as sample data."""
+    with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as file:
+        pixels = np.asarray(Image.open(file).convert("RGB"), dtype=np.float32) / 255
+    return F.interpolate(torch.from_numpy(pixels).permute(2, 0, 1)[None], size=(size, size), mode="area")
+
+
+def test_grid_seams_tells_a_tiled_photo_from_the_photo():
+    """A real photo has edges, but none that runs its whole height at a panel position; tiling it 2x2 or 3x3 (the
+    grid hack) does, with sharp seams, seams blurred as by a VAE decode, or white gutters."""
+    whole = photo(256)
+    grid2 = photo(128).repeat(1, 1, 2, 2)
+    grid3 = photo(85).repeat(1, 1, 3, 3)
+    gutters = grid2.clone()
+    gutters[..., 126:130, :] = 1.0
+    gutters[..., :, 126:130] = 1.0
+    soft = gaussian_blur(grid2, kernel_size=13, sigma=2.0)
+    noise = torch.rand(1, 3, 256, 256, generator=torch.Generator().manual_seed(0))
+    grid3 = F.pad(grid3, (0, 1, 0, 1), mode="replicate")  # 255 -> 256 px
+    photo_score, grid2_score, grid3_score, gutter_score, soft_score, noise_score = score(
+        "grid_seams", torch.cat([whole, grid2, grid3, gutters, soft, noise])).tolist()
+    assert photo_score < 0.15 and noise_score < 0.15
+    assert min(grid2_score, grid3_score, gutter_score) > 0.65 and soft_score > 0.45
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 31), st.integers(0, 31), st.integers(1, 32), st.integers(1, 32),
+                          st.integers(0, 4)), min_size=1, max_size=6),
+       st.integers(1, 4))
+def test_grid_seams_is_invariant_to_flips_transposition_and_inversion(rectangles, panels):
+    """Rectangles of levels k/4 (exact in binary, so every sum is exact): mirroring, transposing or inverting the
+    image changes no step, so the evidence stays the same to the bit."""
+    image = torch.zeros(1, 3, 32, 32)
+    for top, left, height, width, level in rectangles:
+        image[..., top:top + height, left:left + width] = level / 4
+    image = image.repeat(1, 1, panels, panels)  # a grid of panels x panels copies
+    variants = torch.cat([image, image.flip(3), image.flip(2), image.transpose(2, 3), 1 - image])
+    scores = score("grid_seams", variants).tolist()
+    assert scores == [scores[0]] * 5
+
+
+def test_grid_seams_checks_its_inputs():
+    with pytest.raises(ValueError, match=r"^grid_seams: images must be at least 8x8 pixels for max_panels=4; "
+                                         r"got shape \(1, 3, 6, 40\)$"):
+        score("grid_seams", torch.rand(1, 3, 6, 40))
+    with pytest.raises(ValueError, match="max_panels must be >= 2"):
+        build_reward("grid_seams", {"max_panels": 1})
+    with pytest.raises(ValueError, match=r"edge_threshold must be in \(0, 1\)"):
+        build_reward("grid_seams", {"edge_threshold": 0})
+    with pytest.raises(ValueError, match=r"tolerance must be in \[0, 0.25\)"):
+        build_reward("grid_seams", {"tolerance": 0.3})
+    with pytest.raises(ValueError, match="step_width must be >= 1 pixel"):
+        build_reward("grid_seams", {"step_width": 0})
