@@ -122,7 +122,8 @@ class RewardSpec:
     name: str = "???"
     """Registered reward name or ``package.module:attr``."""
     weight: float = 1.0
-    """Weight of this reward in the combination."""
+    """Weight of this reward in the combination. 0 scores and logs it (``reward/<name>/mean``) without training on
+    it: a monitor, such as ``grid_seams`` next to a preference reward."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the reward's constructor."""
 
