@@ -233,6 +233,7 @@ def test_dpm_solver_needs_prev_x0_and_prev_sigma_together():
 
 
 @pytest.mark.parametrize("num_steps", [10, 20])
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # inside diffusers, numpy 2
 def test_dpm_solver_2m_follows_diffusers(num_steps):
     scheduler = DPMSolverMultistepScheduler(
         use_flow_sigmas=True,

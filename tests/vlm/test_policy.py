@@ -349,6 +349,7 @@ def test_loss_options_start_on_policy_and_stay_finite(tmp_path, overrides):
     assert "k1" not in str(overrides) or history[1]["ratio/max_dev"] > 0
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # raised inside PEFT
 def test_lora_checkpoint_loads_with_peft(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
