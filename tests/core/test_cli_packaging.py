@@ -42,6 +42,18 @@ def test_overrides_may_follow_options_and_counts_must_be_positive(capsys):
     assert "must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_demo_help_gives_each_demo_budget():
+    """The parser is built without importing torch (mmgrpo.demo does), so the budgets are written out in its help:
+    this keeps them equal to the DemoSpecs."""
+    from mmgrpo.cli import build_parser
+    from mmgrpo.demo import DEMOS
+
+    demo = build_parser()._subparsers._group_actions[0].choices["demo"]
+    text = " ".join(demo.format_help().split())
+    for which, spec in DEMOS.items():
+        assert f"{spec.train_minutes:g} for {which}" in text, which
+
+
 def test_unknown_bench_exits_2_and_lists_suites():
     proc = run("bench", "no-such-suite")
     assert proc.returncode == 2 and "no-such-suite" in proc.stderr
