@@ -218,9 +218,9 @@ def key_docs(schema: type, prefix: str = "") -> dict[str, str]:
 
 
 def _closest(key: str, candidates: list[str]) -> str:
-    """' (closest valid key: ...)' for an unknown dotted key, or '' when its first component is close to no top-level
-    key. Each component is corrected to the closest name at its level while one is close; the suggestion is the
-    valid key below the corrected part closest to the corrected key."""
+    """' (closest valid key: ...)' for an unknown dotted key, or the list of top-level keys when its first component is
+    close to none of them. Each component is corrected to the closest name at its level while one is close; the
+    suggestion is the valid key below the corrected part closest to the corrected key."""
     parts, fixed = key.split("."), []
     for part in parts:
         prefix = "".join(f"{name}." for name in fixed)
@@ -230,7 +230,8 @@ def _closest(key: str, candidates: list[str]) -> str:
             break
         fixed.append(close[0])
     if not fixed:
-        return ""
+        top = dict.fromkeys(k.split(".")[0] for k in candidates)
+        return f" (no valid key is close; the top-level keys are {', '.join(top)})"
     known = ".".join(fixed)
     below = [k for k in candidates if k == known or k.startswith(known + ".")]
     best = difflib.get_close_matches(".".join(fixed + parts[len(fixed):]), below, n=1, cutoff=0.0)[0]
