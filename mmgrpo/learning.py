@@ -60,9 +60,10 @@ def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, 
     # A wall-clock budget has no step count for a decaying schedule to end at (and the variants' steps differ in
     # cost), so every variant runs at the preset's peak learning rate.
     # num_threads=0: the thread count ``mmgrpo bench --threads`` set (and recorded), not the preset's.
-    base = [f"output_dir={output_dir}", "resume=null", "train.eval_every=0", "train.max_steps=100000",
-            "optim.lr_scheduler=constant_with_warmup", "logging.progress=false", *spec.overrides, *overrides,
-            "num_threads=0"]
+    # No checkpoints: the run folder is temporary, and saving would count as training time.
+    base = [f"output_dir={output_dir}", "resume=null", "train.eval_every=0", "train.save_every=0",
+            "train.max_steps=100000", "optim.lr_scheduler=constant_with_warmup", "logging.progress=false",
+            *spec.overrides, *overrides, "num_threads=0"]
     cfg = load_config(REPO / spec.preset, base)
     if which == "vlm" and cfg.tgrpo.enabled:
         rewards = [{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards]
