@@ -12,6 +12,7 @@ A unit is a completion token: a rollout of N = prompts x G rows has (N, L) log-p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
@@ -40,6 +41,7 @@ from mmgrpo.pipelines.vlm.vllm_backend import (
     media_limits,
 )
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
+from mmgrpo.pipelines.vlm.whole_weights import whole_weights
 from mmgrpo.policy import LogProbs, Policy, Rollout, RunError, any_process
 from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
@@ -163,6 +165,9 @@ class VLMPolicy(Policy):
         goes on in step."""
         self.vision_balancer: VisionCallBalancer | None = None
         """Set by :meth:`setup` when the parameters are sharded and the data mixes media kinds."""
+        self.reshard_after_forward: bool | None = None
+        """The accelerate FSDP2 config's ``reshard_after_forward`` when sampling gathers the whole weights
+        (``generation.gather_sharded_weights``; set by :meth:`setup`), else None."""
 
     # ------------------------------------------------------------------------------------------------ data
     def datasets(self) -> tuple[list[dict], list[dict]]:
@@ -304,8 +309,9 @@ class VLMPolicy(Policy):
                                                   self.accuracy, generator, cpu_generator)
             self.sampler.sleep()
         else:
-            completions = generate_groups(self.vlm, [p.inputs for p in prepared], group_size, cfg.generation,
-                                          generator, self.synced)
+            with self.sampling_weights():
+                completions = generate_groups(self.vlm, [p.inputs for p in prepared], group_size, cfg.generation,
+                                              generator, self.synced)
         for i, (p, out) in enumerate(zip(prepared, completions)):
             rollout_tokens += int(out.mask.sum())
             base = p.meta()
@@ -313,9 +319,10 @@ class VLMPolicy(Policy):
                 if shuffled is not None:
                     acc, tokens = shuffled[i]
                 else:
-                    acc, tokens = tgrpo.shuffled_accuracy(self.vlm, p.item["prompt"], p.images, p.videos, p.fps,
-                                                          base, shuffled_count, cfg, self.accuracy, generator,
-                                                          cpu_generator, self.synced)
+                    with self.sampling_weights():
+                        acc, tokens = tgrpo.shuffled_accuracy(self.vlm, p.item["prompt"], p.images, p.videos,
+                                                              p.fps, base, shuffled_count, cfg, self.accuracy,
+                                                              generator, cpu_generator, self.synced)
                 rollout_tokens += tokens
                 counters["tokens/shuffled"] += tokens
                 base[SHUFFLED_ACC_KEY] = acc
@@ -428,7 +435,8 @@ class VLMPolicy(Policy):
                     self.train_items[:1], counters, torch.Generator().manual_seed(self.cfg.seed))[0]
                 prepared = [p or stand_in for p in prepared]
             rows = [(p, real) for p, real in zip(prepared, answered) if p is not None]
-            outs = generate_groups(self.vlm, [p.inputs for p, _ in rows], 1, gen_cfg, generator, self.synced)
+            with self.sampling_weights():
+                outs = generate_groups(self.vlm, [p.inputs for p, _ in rows], 1, gen_cfg, generator, self.synced)
             for (p, real), out in zip(rows, outs):
                 if real:
                     prompts.append(p.item["prompt"])
@@ -465,7 +473,8 @@ class VLMPolicy(Policy):
     def setup(self, accelerator: Any) -> None:
         """With sharded parameters, make every forward run the same modules on all processes (FSDP2 shards the
         model in place, which the sampler calls; FSDP1 wraps it): decode in step (:func:`decode`'s ``synced``)
-        and, on data that mixes media kinds, balance the vision-tower calls (:class:`VisionCallBalancer`)."""
+        and, on data that mixes media kinds, balance the vision-tower calls (:class:`VisionCallBalancer`). Under
+        FSDP2, sampling also gathers the whole weights once per call (:meth:`sampling_weights`)."""
         super().setup(accelerator)
         if not self.sharded:
             return
@@ -477,6 +486,15 @@ class VLMPolicy(Policy):
         if calls:
             self.vision_balancer = VisionCallBalancer(self.vlm.model, calls)
         self.synced = any_process
+        if plugin is not None and self.cfg.generation.gather_sharded_weights:
+            self.reshard_after_forward = bool(plugin.reshard_after_forward)
+
+    def sampling_weights(self) -> contextlib.AbstractContextManager:
+        """Context of one sampling call: the whole weights gathered once under FSDP2 (:func:`whole_weights`, when
+        ``generation.gather_sharded_weights``), else nothing. Every process enters it, as every process samples."""
+        if self.reshard_after_forward is None:
+            return contextlib.nullcontext()
+        return whole_weights(self.vlm.model, self.reshard_after_forward)
 
     def save(self, directory: Path) -> None:
         """PEFT adapter (LoRA) or a full ``save_pretrained`` folder, plus the processor (:meth:`VLMModel.save`)."""

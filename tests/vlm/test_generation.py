@@ -1,6 +1,7 @@
 """Group sampling: vision tokens suppressed, EOS / truncation, reproducibility, shared prefill == per-row prefill,
 decode positions (M-RoPE) that agree with a full forward, several prompts decoded together == one by one, and synced
-decoding (every process steps until all are done) with and without FSDP2-sharded weights."""
+decoding (every process steps until all are done) with and without FSDP2-sharded weights, and sampling with the
+whole weights gathered once."""
 
 from pathlib import Path
 
@@ -210,13 +211,23 @@ def test_synced_decoding_runs_every_forward_and_samples_the_same():
         hook.remove()
 
 
-def test_synced_decoding_with_fsdp2_sharded_weights_on_two_processes(launch_two_processes):
+def test_sampling_with_fsdp2_sharded_weights_on_two_processes(launch_two_processes):
     """The shipped tiny Qwen2-VL sharded with FSDP2 over two gloo processes (tests/support/fsdp_generation_check.py),
-    each sampling other questions: the processes' rows end at different steps, yet both make the same model calls
-    (else the weight gathers mismatch and the run dies) and sample what the whole, unsharded model samples."""
+    each sampling other questions, so the processes' rows end at different steps.
+
+    Sharded, both make the same model calls (synced decoding; else the weight gathers mismatch and the run dies)
+    and sample what the whole, unsharded model samples. With the whole weights gathered once (whole_weights) the
+    forwards make no collective calls: unsynced, each process makes only the calls its own rows need, and samples
+    what the unsharded model samples alone. Afterwards the weights are sharded again, the policy's gathering
+    evaluation answers as the unsharded policy does, and a training step's gradients equal the unsharded model's."""
     report = launch_two_processes("fsdp_generation_check.py", port=29541)
     first, second = report["processes"]
     assert report["sharded"]
     assert first["forwards_alone"] != second["forwards_alone"]  # without syncing, the calls would differ
     assert first["forwards"] == second["forwards"] == max(first["forwards_alone"], second["forwards_alone"])
-    assert first["same_as_unsharded"] and second["same_as_unsharded"]
+    for process in (first, second):
+        assert process["same_as_unsharded"]
+        assert process["whole_inside"] and process["sharded_after"]
+        assert process["forwards_whole"] == process["forwards_alone"] and process["whole_same_as_alone"]
+        assert process["policy_eval_same"]
+        assert process["grad_max_diff"] <= 1e-6
