@@ -149,11 +149,12 @@ class VLMGenerationConfig:
     speed-up where a call costs more than its rows (small models, CPU). Every row holds its prompt's KV cache,
     left-padded to the longest prompt of the batch, so memory grows with rows x the longest prompt."""
     gather_sharded_weights: bool = True
-    """Under FSDP2, gather the whole weights once per sampling call and keep them through every token's forward
-    (``pipelines/vlm/whole_weights.py``), instead of gathering each module's shards at every forward: one gather
-    per rollout instead of one per token, for one whole copy of the weights in each process while sampling. False
-    keeps the weights sharded while sampling, for a model whose whole weights do not fit beside its optimiser state
-    and gradients. DDP, ZeRO-2 and ZeRO-3 ignore it (ZeRO-3 gathers at every forward)."""
+    """Under FSDP2, gather the whole weights once per rollout (and evaluation) and keep them through every token's
+    forward (``pipelines/vlm/whole_weights.py``), instead of gathering each module's shards at every forward: one
+    gather per rollout instead of one per token, no decoding in step, for one whole copy of the weights in each
+    process while sampling. False keeps the weights sharded and decodes in step, for a model whose whole weights do
+    not fit beside its optimiser state and gradients. DDP, ZeRO-2 and ZeRO-3 ignore it (ZeRO-3 gathers at every
+    forward)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import contextlib
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -162,7 +162,7 @@ class VLMPolicy(Policy):
         self._zoo: RewardZoo | None = None
         self.synced: Callable[[bool], bool] | None = None
         """:func:`~mmgrpo.policy.any_process` when the parameters are sharded (set by :meth:`setup`): decoding
-        goes on in step."""
+        goes on in step, unless :meth:`sampling_weights` gathers the whole weights."""
         self.vision_balancer: VisionCallBalancer | None = None
         """Set by :meth:`setup` when the parameters are sharded and the data mixes media kinds."""
         self.reshard_after_forward: bool | None = None
@@ -301,42 +301,42 @@ class VLMPolicy(Policy):
         ordered_acc, shuffled_acc = [], []
         rollout_tokens = 0
         shuffled = None  # T-GRPO results of the vLLM backend, by prompt index
-        if self.sampler is not None:  # vLLM: weights pushed if they changed, then one engine call
-            self.sampler.sync_weights(self.model)
-            completions = self.sampler.generate(prepared, group_size, cfg.generation, generator)
-            if self.accuracy is not None:
-                shuffled = vllm_shuffled_accuracy(self.sampler, prepared, shuffled_count, cfg.generation,
-                                                  self.accuracy, generator, cpu_generator)
-            self.sampler.sleep()
-        else:
-            with self.sampling_weights():
+        # one gather of the whole weights for all of the rollout's sampling under FSDP2 (else synced decoding)
+        with self.sampling_weights() as synced:
+            if self.sampler is not None:  # vLLM: weights pushed if they changed, then one engine call
+                self.sampler.sync_weights(self.model)
+                completions = self.sampler.generate(prepared, group_size, cfg.generation, generator)
+                if self.accuracy is not None:
+                    shuffled = vllm_shuffled_accuracy(self.sampler, prepared, shuffled_count, cfg.generation,
+                                                      self.accuracy, generator, cpu_generator)
+                self.sampler.sleep()
+            else:
                 completions = generate_groups(self.vlm, [p.inputs for p in prepared], group_size, cfg.generation,
-                                              generator, self.synced)
-        for i, (p, out) in enumerate(zip(prepared, completions)):
-            rollout_tokens += int(out.mask.sum())
-            base = p.meta()
-            if self.accuracy is not None and p.videos:
-                if shuffled is not None:
-                    acc, tokens = shuffled[i]
-                else:
-                    with self.sampling_weights():
-                        acc, tokens = tgrpo.shuffled_accuracy(self.vlm, p.item["prompt"], p.images, p.videos,
-                                                              p.fps, base, shuffled_count, cfg, self.accuracy,
-                                                              generator, cpu_generator, self.synced)
-                rollout_tokens += tokens
-                counters["tokens/shuffled"] += tokens
-                base[SHUFFLED_ACC_KEY] = acc
-                shuffled_acc.append(acc)
-                scored = RewardBatch(prompts=[p.item["prompt"]] * group_size, completions=out.texts,
-                                     group=torch.zeros(group_size, dtype=torch.long), meta=[base] * group_size)
-                ordered_acc.append(torch.as_tensor(self.accuracy(scored), dtype=torch.float64).nanmean().item())
-            ids.append(out.ids)
-            masks.append(out.mask)
-            sampled.append(out.logprobs)
-            truncated.append(out.truncated)
-            texts += out.texts
-            meta += [{**base, "truncated": bool(t)} for t in out.truncated.tolist()]
-            prompts.append(p.inputs)
+                                              generator, synced)
+            for i, (p, out) in enumerate(zip(prepared, completions)):
+                rollout_tokens += int(out.mask.sum())
+                base = p.meta()
+                if self.accuracy is not None and p.videos:
+                    if shuffled is not None:
+                        acc, tokens = shuffled[i]
+                    else:
+                        acc, tokens = tgrpo.shuffled_accuracy(self.vlm, p.item["prompt"], p.images, p.videos, p.fps,
+                                                              base, shuffled_count, cfg, self.accuracy, generator,
+                                                              cpu_generator, synced)
+                    rollout_tokens += tokens
+                    counters["tokens/shuffled"] += tokens
+                    base[SHUFFLED_ACC_KEY] = acc
+                    shuffled_acc.append(acc)
+                    scored = RewardBatch(prompts=[p.item["prompt"]] * group_size, completions=out.texts,
+                                         group=torch.zeros(group_size, dtype=torch.long), meta=[base] * group_size)
+                    ordered_acc.append(torch.as_tensor(self.accuracy(scored), dtype=torch.float64).nanmean().item())
+                ids.append(out.ids)
+                masks.append(out.mask)
+                sampled.append(out.logprobs)
+                truncated.append(out.truncated)
+                texts += out.texts
+                meta += [{**base, "truncated": bool(t)} for t in out.truncated.tolist()]
+                prompts.append(p.inputs)
 
         n = len(texts)
         width = max(x.shape[1] for x in ids)
@@ -426,22 +426,22 @@ class VLMPolicy(Policy):
         gen_cfg = replace(self.cfg.generation, temperature=self.cfg.generation.eval_temperature)
         prompts, texts, meta = [], [], []
         per_call = max(1, gen_cfg.batch_rows)  # prepared (decoded) media are held for one call's items only
-        for start in range(0, len(items), per_call):
-            prepared = [self._try_prepare(item, counters) for item in items[start:start + per_call]]
-            answered = [p is not None for p in prepared]
-            if self.synced is not None and not all(answered):
-                # every process must run the same forwards: a skipped item is stood in for, its answer dropped
-                stand_in = next((p for p in prepared if p is not None), None) or self._prepare_rollout(
-                    self.train_items[:1], counters, torch.Generator().manual_seed(self.cfg.seed))[0]
-                prepared = [p or stand_in for p in prepared]
-            rows = [(p, real) for p, real in zip(prepared, answered) if p is not None]
-            with self.sampling_weights():
-                outs = generate_groups(self.vlm, [p.inputs for p, _ in rows], 1, gen_cfg, generator, self.synced)
-            for (p, real), out in zip(rows, outs):
-                if real:
-                    prompts.append(p.item["prompt"])
-                    texts += out.texts
-                    meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
+        with self.sampling_weights() as synced:
+            for start in range(0, len(items), per_call):
+                prepared = [self._try_prepare(item, counters) for item in items[start:start + per_call]]
+                answered = [p is not None for p in prepared]
+                if synced is not None and not all(answered):
+                    # every process must run the same forwards: a skipped item is stood in for, its answer dropped
+                    stand_in = next((p for p in prepared if p is not None), None) or self._prepare_rollout(
+                        self.train_items[:1], counters, torch.Generator().manual_seed(self.cfg.seed))[0]
+                    prepared = [p or stand_in for p in prepared]
+                rows = [(p, real) for p, real in zip(prepared, answered) if p is not None]
+                outs = generate_groups(self.vlm, [p.inputs for p, _ in rows], 1, gen_cfg, generator, synced)
+                for (p, real), out in zip(rows, outs):
+                    if real:
+                        prompts.append(p.item["prompt"])
+                        texts += out.texts
+                        meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
         return RewardBatch(prompts=prompts, group=torch.arange(len(prompts)), completions=texts, meta=meta)
 
     def save_samples(self, batch: RewardBatch, directory: Path, tag: str) -> list[Path]:
@@ -474,7 +474,7 @@ class VLMPolicy(Policy):
         """With sharded parameters, make every forward run the same modules on all processes (FSDP2 shards the
         model in place, which the sampler calls; FSDP1 wraps it): decode in step (:func:`decode`'s ``synced``)
         and, on data that mixes media kinds, balance the vision-tower calls (:class:`VisionCallBalancer`). Under
-        FSDP2, sampling also gathers the whole weights once per call (:meth:`sampling_weights`)."""
+        FSDP2, sampling gathers the whole weights once per rollout instead (:meth:`sampling_weights`)."""
         super().setup(accelerator)
         if not self.sharded:
             return
@@ -489,12 +489,18 @@ class VLMPolicy(Policy):
         if plugin is not None and self.cfg.generation.gather_sharded_weights:
             self.reshard_after_forward = bool(plugin.reshard_after_forward)
 
-    def sampling_weights(self) -> contextlib.AbstractContextManager:
-        """Context of one sampling call: the whole weights gathered once under FSDP2 (:func:`whole_weights`, when
-        ``generation.gather_sharded_weights``), else nothing. Every process enters it, as every process samples."""
+    @contextlib.contextmanager
+    def sampling_weights(self) -> Iterator[Callable[[bool], bool] | None]:
+        """Context of sampling; yields the ``synced`` to decode with. Under FSDP2 with
+        ``generation.gather_sharded_weights`` the whole weights are gathered once on entry (:func:`whole_weights`;
+        every process enters together), the forwards inside make no collective calls, and each process decodes on
+        its own (None), whatever it samples (T-GRPO's shuffled rollouts of its video prompts, skipped items).
+        Otherwise :attr:`synced`: every sharded forward gathers, so decoding goes on in step."""
         if self.reshard_after_forward is None:
-            return contextlib.nullcontext()
-        return whole_weights(self.vlm.model, self.reshard_after_forward)
+            yield self.synced
+            return
+        with whole_weights(self.vlm.model, self.reshard_after_forward):
+            yield None
 
     def save(self, directory: Path) -> None:
         """PEFT adapter (LoRA) or a full ``save_pretrained`` folder, plus the processor (:meth:`VLMModel.save`)."""

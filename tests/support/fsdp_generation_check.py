@@ -14,7 +14,9 @@ OUT.json (main process), per process:
   ``forwards_whole`` (model calls of unsynced sampling inside it), ``whole_same_as_alone`` (those samples equal the
   unsharded model's unsynced ones), ``sharded_after`` (every parameter is sharded again after it);
 - ``policy_eval_same`` (``VLMPolicy.generate`` on held-out items, sharded and gathering through
-  ``sampling_weights``, answers what the unsharded policy answers), and ``grad_max_diff`` (after all that sampling,
+  ``sampling_weights``, answers what the unsharded policy answers), ``tgrpo_video_groups`` (a T-GRPO rollout of a
+  video and an image prompt on one process and two image prompts on the other: the shuffled-frame rollouts run on
+  one process only, which sharded decoding in step could not do), and ``grad_max_diff`` (after all that sampling,
   the averaged gradient of a training forward and backward against the unsharded model's);
 
 plus ``sharded`` (the parameters are DTensors after sharding).
@@ -33,6 +35,7 @@ from mmgrpo.pipelines.vlm.generation import generate_groups
 from mmgrpo.pipelines.vlm.policy import VLMPolicy
 from mmgrpo.pipelines.vlm.whole_weights import whole_weights
 from mmgrpo.policy import any_process
+from mmgrpo.rewards import AccuracyReward
 
 out_path = sys.argv[1]
 acc = Accelerator(cpu=True)
@@ -94,11 +97,17 @@ with whole_weights(model, reshard_after_forward=True):
 sharded_after = all(isinstance(p, DTensor) for p in model.parameters())
 policy.synced, policy.reshard_after_forward = any_process, True  # what VLMPolicy.setup sets under FSDP2
 policy_eval_same = policy.generate(eval_items).completions == eval_reference
+policy.accuracy = AccuracyReward()  # T-GRPO's shuffled rollouts, as a temporal_bonus reward turns them on
+clips = [item for item in policy.train_items if item["sample"].videos]
+stills = [item for item in policy.train_items if not item["sample"].videos]
+tgrpo_video_groups = policy.rollout([clips[0], stills[0]] if rank == 0 else stills[1:3], [0, 1], 2).counters[
+    "tgrpo/video_groups"]
 grad_max_diff = max((g - grad_reference[name]).abs().max().item() for name, g in gradients().items())
 report = {"forwards": calls, "forwards_alone": alone, "same_as_unsharded": same_samples(whole, sharded),
           "lengths": [o.mask.sum(1).tolist() for o in sharded], "whole_inside": whole_inside,
           "forwards_whole": gathered_calls, "whole_same_as_alone": same_samples(alone_outs, gathered),
-          "sharded_after": sharded_after, "policy_eval_same": policy_eval_same, "grad_max_diff": grad_max_diff}
+          "sharded_after": sharded_after, "policy_eval_same": policy_eval_same, "grad_max_diff": grad_max_diff,
+          "tgrpo_video_groups": tgrpo_video_groups}
 reports = [None] * acc.num_processes
 torch.distributed.all_gather_object(reports, report)
 if acc.is_main_process:

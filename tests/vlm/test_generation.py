@@ -219,7 +219,8 @@ def test_sampling_with_fsdp2_sharded_weights_on_two_processes(launch_two_process
     and sample what the whole, unsharded model samples. With the whole weights gathered once (whole_weights) the
     forwards make no collective calls: unsynced, each process makes only the calls its own rows need, and samples
     what the unsharded model samples alone. Afterwards the weights are sharded again, the policy's gathering
-    evaluation answers as the unsharded policy does, and a training step's gradients equal the unsharded model's."""
+    evaluation answers as the unsharded policy does, a T-GRPO rollout runs shuffled-frame sampling on one process
+    only, and a training step's gradients equal the unsharded model's."""
     report = launch_two_processes("fsdp_generation_check.py", port=29541)
     first, second = report["processes"]
     assert report["sharded"]
@@ -231,3 +232,4 @@ def test_sampling_with_fsdp2_sharded_weights_on_two_processes(launch_two_process
         assert process["forwards_whole"] == process["forwards_alone"] and process["whole_same_as_alone"]
         assert process["policy_eval_same"]
         assert process["grad_max_diff"] <= 1e-6
+    assert (first["tgrpo_video_groups"], second["tgrpo_video_groups"]) == (1, 0)
