@@ -225,6 +225,21 @@ class VLMModel:
             raise RuntimeError("no reference model: full fine-tuning keeps a frozen copy only when VLMModel is "
                                "built with keep_reference=True (or use LoRA, whose reference is the base model)")
 
+    @staticmethod
+    @contextlib.contextmanager
+    def quiet() -> Iterator[None]:
+        """transformers' own progress bars off, then as they were: a checkpoint's "Writing model shards" bar would
+        break the run's progress bar at every save."""
+        from transformers.utils import logging as hf_logging
+
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
+
     def save(self, directory: str | Path, model: nn.Module | None = None,
              state_dict: dict[str, torch.Tensor] | None = None) -> None:
         """Write the weights (LoRA: the PEFT adapter as safetensors; full: a ``save_pretrained`` folder that
@@ -232,7 +247,8 @@ class VLMModel:
         is the gathered full state dict when the trained model is sharded (FSDP / ZeRO-3)."""
         model = strip_parallel(model if model is not None else self.model)
         directory = Path(directory)
-        model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
+        with self.quiet():
+            model.save_pretrained(directory, safe_serialization=True, state_dict=state_dict)
         self.processor.save_pretrained(directory)
 
     def load(self, directory: str | Path) -> None:
@@ -251,5 +267,6 @@ class VLMModel:
             return
         from transformers import AutoModelForImageTextToText
 
-        loaded = AutoModelForImageTextToText.from_pretrained(directory, dtype=DTYPES[self.cfg.dtype])
+        with self.quiet():
+            loaded = AutoModelForImageTextToText.from_pretrained(directory, dtype=DTYPES[self.cfg.dtype])
         self.model.load_state_dict(loaded.state_dict())

@@ -285,3 +285,19 @@ def test_lora_save_load_round_trip(tmp_path):
     assert not torch.allclose(logits_of(fresh.model, inputs), expected, atol=1e-4)
     fresh.load(tmp_path / "adapter")
     assert torch.allclose(logits_of(fresh.model, inputs), expected, atol=1e-6)
+
+
+def test_quiet_turns_transformers_progress_bars_off_and_back_as_they_were():
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    with VLMModel.quiet():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with VLMModel.quiet():
+            pass
+        assert not hf_logging.is_progress_bar_enabled()  # a user's choice stays
+    finally:
+        hf_logging.enable_progress_bar()
