@@ -102,6 +102,19 @@ def media_type(sample: VLMSample) -> str:
     return "video" if sample.videos else "image" if sample.images else "text"
 
 
+def check_tgrpo_in_step(samples: list[VLMSample]) -> None:
+    """ConfigError when T-GRPO must decode in step (sharded weights not gathered for sampling: ZeRO-3, or FSDP2
+    with ``generation.gather_sharded_weights: false``) on training ``samples`` that mix video prompts with others.
+    T-GRPO samples shuffled frames once per video prompt, so processes holding different numbers of video prompts
+    would run different numbers of forwards, whose weight gathers would never match: the run would hang."""
+    if len({bool(sample.videos) for sample in samples}) > 1:
+        raise ConfigError("bad value for 'tgrpo.enabled': T-GRPO samples shuffled frames once per video prompt, "
+                          "and with sharded weights decoded in step (ZeRO-3, or FSDP2 with "
+                          "'generation.gather_sharded_weights: false') every process must sample as often; this "
+                          "training data mixes video prompts with others: use FSDP2 with "
+                          "'generation.gather_sharded_weights: true' (the default), or video prompts only")
+
+
 def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
     """Raise ConfigError naming the key of a value the vlm policy cannot run with. ``VLMConfig.validate`` runs it
     when the config loads; with ``runnable_here`` (when the policy is built) it also checks that the rollout
@@ -488,6 +501,8 @@ class VLMPolicy(Policy):
         self.synced = any_process
         if plugin is not None and self.cfg.generation.gather_sharded_weights:
             self.reshard_after_forward = bool(plugin.reshard_after_forward)
+        elif self.accuracy is not None:
+            check_tgrpo_in_step([item["sample"] for item in self.train_items])
 
     @contextlib.contextmanager
     def sampling_weights(self) -> Iterator[Callable[[bool], bool] | None]:

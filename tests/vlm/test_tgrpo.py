@@ -11,8 +11,9 @@ from random_vlm import RANDOM_TINY_VLM
 
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.pipelines.vlm import tgrpo
+from mmgrpo.pipelines.vlm.data import VLMSample
 from mmgrpo.pipelines.vlm.generation import Completions
-from mmgrpo.pipelines.vlm.policy import VLMPolicy
+from mmgrpo.pipelines.vlm.policy import VLMPolicy, check_tgrpo_in_step
 from mmgrpo.rewards import RewardBatch, RewardZoo, build_reward
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY, temporal_bonus
 
@@ -202,3 +203,14 @@ def test_tgrpo_and_its_reward_must_agree(tmp_path):
         tgrpo.bonus_spec(video_config(tmp_path, "tgrpo.enabled=false"))
     with pytest.raises(ConfigError, match=r"rewards.2.args.mu"):
         tgrpo.bonus_spec(video_config(tmp_path, "tgrpo.mu=1.0"))
+
+
+def test_tgrpo_decoded_in_step_refuses_data_that_mixes_video_prompts_with_others():
+    """Sharded weights decoded in step (ZeRO-3, or FSDP2 without gathering) need every process to sample as often;
+    T-GRPO's shuffled-frame rollouts run once per video prompt, so on mixed data the processes' weight gathers
+    would stop matching and the run would hang: mixed data is a config error, video-only data passes."""
+    clip = VLMSample(question="q", problem_type="multiple choice", options=[], solution="A", videos=[Path("a.mp4")])
+    still = VLMSample(question="q", problem_type="multiple choice", options=[], solution="A", images=[Path("a.png")])
+    check_tgrpo_in_step([clip, clip])
+    with pytest.raises(ConfigError, match=r"^bad value for 'tgrpo.enabled': .*gather_sharded_weights: true"):
+        check_tgrpo_in_step([clip, still])
