@@ -107,7 +107,7 @@ def check_tgrpo_in_step(samples: list[VLMSample]) -> None:
     with ``generation.gather_sharded_weights: false``) on training ``samples`` that mix video prompts with others.
     T-GRPO samples shuffled frames once per video prompt, so processes holding different numbers of video prompts
     would run different numbers of forwards, whose weight gathers would never match: the run would hang."""
-    if len({bool(sample.videos) for sample in samples}) > 1:
+    if len({media_type(sample) == "video" for sample in samples}) > 1:
         raise ConfigError("bad value for 'tgrpo.enabled': T-GRPO samples shuffled frames once per video prompt, "
                           "and with sharded weights decoded in step (ZeRO-3, or FSDP2 with "
                           "'generation.gather_sharded_weights: false') every process must sample as often; this "

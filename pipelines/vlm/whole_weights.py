@@ -39,13 +39,13 @@ def whole_weights(model: torch.nn.Module, reshard_after_forward: bool) -> Iterat
     processes together, so every process must enter); on exit they are sharded again. A model without FSDP2
     modules is left as it is."""
     modules = sharded_modules(model)
+    roots = {id(m) for m in outermost(modules)}
     for module in modules:
         module.set_reshard_after_forward(False, recurse=False)
         module.unshard()
     try:
         yield
     finally:
-        roots = {id(m) for m in outermost(modules)}
         for module in modules:
             module.reshard()
             module.set_reshard_after_forward(reshard_after_forward and id(module) not in roots, recurse=False)
