@@ -244,8 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="train the tiny shipped models on CPU and report before/after")
     p.add_argument("which", nargs="?", choices=("flow", "vlm"), default="flow")
     p.add_argument("--output-dir", help="default runs/demo-flow or runs/demo-vlm; an existing folder is cleared only if it holds an earlier demo's output (demo.json or report.md)")
-    p.add_argument("--minutes", type=float, help="training-time budget (default: the demo's own: 11 for flow, 14 for "
-                   "vlm)")
+    p.add_argument("--minutes", type=float, help="training-time budget (default: the demo's own, 11 for flow, 14 for "
+                   "vlm, cut short on a slow machine so that the whole demo ends within 15 minutes)")
     p.set_defaults(fn=cmd_demo)
     return parser
 

@@ -47,6 +47,11 @@ HONESTY_MEASURES = ("diversity", "size_position_distance", "answer_diversity", "
 """Measures the training reward does not see, reported before and after (those the demo computes)."""
 SAMPLE_QUESTIONS = 8
 """Held-out VLM questions shown in samples.png."""
+DEMO_LIMIT_MINUTES = 15.0
+"""Wall-clock limit of a whole demo with its default budget: training stops early enough that the evaluations
+after it still end within this (:func:`training_budget_s`)."""
+FINISH_SECONDS = 20.0
+"""Reserved for what follows the last evaluation: loading the reported snapshot and writing the report."""
 
 
 @dataclass
@@ -73,7 +78,8 @@ class DemoSpec:
     num_val: int
     """Prompts in the validation set (scored with ``samples_per_prompt`` samples each)."""
     train_minutes: float
-    """Wall-clock budget for the training phase."""
+    """Wall-clock budget for the training phase (validation checks included), cut short when the whole demo would
+    otherwise overrun ``DEMO_LIMIT_MINUTES`` on a slower machine."""
     selection: Literal["best", "last"] = "best"
     """Which eligible snapshot is reported: ``best`` on validation, or ``last`` (for a schedule that decays the lr
     to 0, where the policy settles at the end and the late snapshots differ by less than validation can resolve:
@@ -224,8 +230,20 @@ def clear_output_dir(out: Path) -> None:
     out.mkdir(parents=True)
 
 
+def training_budget_s(train_minutes: float, elapsed_s: float, held_out_eval_s: float, val_eval_s: float,
+                      limit_minutes: float = DEMO_LIMIT_MINUTES) -> float:
+    """Seconds of training (validation checks included) the demo can afford, given ``elapsed_s`` spent before
+    training: ``train_minutes`` at most, and no more than leaves room within ``limit_minutes`` for what follows
+    training. That is one last validation check (``val_eval_s``, as long as the base model's took), the held-out
+    evaluation after training (``held_out_eval_s``, as long as the one before training took) and
+    ``FINISH_SECONDS``. Never negative: at 0 the demo trains one step."""
+    room = 60.0 * limit_minutes - elapsed_s - held_out_eval_s - val_eval_s - FINISH_SECONDS
+    return max(0.0, min(60.0 * train_minutes, room))
+
+
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
-    """Run one demo end to end and return what demo.json holds."""
+    """Run one demo end to end and return what demo.json holds. ``minutes`` is the training budget; without it
+    the demo's own (``DemoSpec.train_minutes``), cut to end the whole demo within ``DEMO_LIMIT_MINUTES``."""
     from rich.console import Console
 
     from mmgrpo.config import load_config
@@ -252,15 +270,25 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     console.print(f"[bold]mmgrpo demo {which}[/]: {spec.task}, {len(items)} held-out prompts, preset {spec.preset}",
                   soft_wrap=True)
 
+    clock = time.perf_counter()
     before, before_batch = evaluate(policy, zoo, items, spec, flow, circular=True)
+    held_out_eval_s = time.perf_counter() - clock
     console.print(f"before training: held-out {spec.metric} = {before[spec.metric]:.3f}")
+    clock = time.perf_counter()
     val_base, _ = evaluate(policy, zoo, val_items, spec, flow)
+    val_eval_s = time.perf_counter() - clock
     validations = [(0, val_base)]
     reported = {"step": 0, "metrics": val_base}
     snapshot = out / "reported-policy"
     policy.save(snapshot)  # the base model, kept when no later snapshot is eligible (or beats it on validation)
-    budget_s = 60.0 * (minutes if minutes is not None else spec.train_minutes)
     train_start = time.perf_counter()
+    if minutes is not None:
+        budget_s, budget_note = 60.0 * minutes, "time budget"
+    else:
+        budget_s = training_budget_s(spec.train_minutes, train_start - start, held_out_eval_s, val_eval_s)
+        budget_note = ("time budget" if budget_s >= 60.0 * spec.train_minutes else
+                       f"time budget (cut from {spec.train_minutes:g} so that the demo ends within "
+                       f"{DEMO_LIMIT_MINUTES:g} minutes)")
     stop_reason = {"why": "step budget reached"}
     bar = tqdm(total=round(budget_s), desc="train (time budget)", unit="s", dynamic_ncols=True,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
@@ -287,7 +315,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
             reported.update(step=step, metrics=metrics)
             policy.save(snapshot)
         if out_of_time:
-            stop_reason["why"] = f"time budget of {budget_s / 60:.0f} minutes reached at step {step}"
+            stop_reason["why"] = f"{budget_note} of {budget_s / 60:.1f} minutes reached at step {step}"
         return out_of_time
 
     with bar:

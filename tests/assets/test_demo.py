@@ -69,6 +69,16 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     assert "validation set of 2 unseen prompts from assets/data/shapes_qa/val.jsonl" in report
 
 
+def test_training_budget_leaves_room_for_the_evaluations_after_training():
+    """The default budget stands while the demo fits its limit, and is cut by exactly the overrun otherwise."""
+    limit_s = 60.0 * demo.DEMO_LIMIT_MINUTES
+    assert demo.training_budget_s(11.0, elapsed_s=60.0, held_out_eval_s=40.0, val_eval_s=10.0) == 660.0
+    # a slow machine: 2 minutes before training, 90 s per held-out evaluation, 30 s per validation check
+    budget = demo.training_budget_s(14.0, elapsed_s=120.0, held_out_eval_s=90.0, val_eval_s=30.0)
+    assert budget == limit_s - 120.0 - 90.0 - 30.0 - demo.FINISH_SECONDS < 14.0 * 60
+    assert demo.training_budget_s(14.0, elapsed_s=limit_s, held_out_eval_s=90.0, val_eval_s=30.0) == 0.0
+
+
 def test_vlm_validation_questions_are_unseen_in_training_and_held_out():
     data = demo.REPO / "assets" / "data" / "shapes_qa"
     spec = demo.DEMOS["vlm"]

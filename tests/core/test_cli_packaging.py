@@ -46,12 +46,13 @@ def test_demo_help_gives_each_demo_budget():
     """The parser is built without importing torch (mmgrpo.demo does), so the budgets are written out in its help:
     this keeps them equal to the DemoSpecs."""
     from mmgrpo.cli import build_parser
-    from mmgrpo.demo import DEMOS
+    from mmgrpo.demo import DEMO_LIMIT_MINUTES, DEMOS
 
     demo = build_parser()._subparsers._group_actions[0].choices["demo"]
     text = " ".join(demo.format_help().split())
     for which, spec in DEMOS.items():
         assert f"{spec.train_minutes:g} for {which}" in text, which
+    assert f"within {DEMO_LIMIT_MINUTES:g} minutes" in text
 
 
 def test_unknown_bench_exits_2_and_lists_suites():
