@@ -161,6 +161,7 @@ def _cases(models: dict[str, tuple[str, dict[str, Any]]]) -> list[Case]:
         Case("sharpness", "rule (Laplacian)", {}, "image"),
         Case("color_fraction", "rule (RGB distance)", {"rgb": [255, 0, 0]}, "image"),
         Case("grid_seams", "rule (step edges)", {}, "image"),
+        Case("tile_repetition", "rule (self-similarity at panel shifts)", {}, "image"),
         Case("shapes_eval", shapes, {}, "shapes"),
         Case("shapes_partial", shapes, {}, "shapes"),
         Case("shapes_layout", shapes, {}, "shapes"),

@@ -1,5 +1,5 @@
 """Cheap verifiable image rewards: JPEG (in)compressibility, sharpness, the fraction of a target colour, and grid
-seams (a detector for the grid-of-panels reward hack).
+seams and tile repetition (detectors for the grid-of-panels reward hack).
 
 Every reward reads ``batch.images`` through :func:`~mmgrpo.rewards.checks.as_rgb_images`, so grayscale and RGBA
 inputs work and values outside [0, 1] fail with a clear message.
@@ -212,6 +212,7 @@ class GridSeams(Reward):
 
     It sees seams, not repetition: panels that continue each other smoothly (a mirrored diptych) read as one
     image, and a straight full-length edge at a panel position (a level horizon at mid-height) reads as a seam.
+    ``tile_repetition`` sees copies joined without a seam.
 
     Args:
         max_panels: the largest number of panels per side tested (grids of 2..max_panels).
@@ -249,3 +250,99 @@ class GridSeams(Reward):
                              f"{self.max_panels}; got shape {tuple(images.shape)}")
         luma = luminance(images.to(torch.float64))[:, 0]
         return torch.maximum(self._axis(luma), self._axis(luma.transpose(1, 2))).cpu()
+
+
+def detail_map(luma: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, W) luma -> (B, H, W) fine detail: each pixel minus the mean of the ``width`` x ``width`` box around
+    it (edges replicated). Shading and flat regions go to 0, so only structure is compared."""
+    padded = F.pad(luma[:, None], (width // 2, (width - 1) // 2) * 2, mode="replicate")
+    return luma - F.avg_pool2d(padded, width, stride=1)[:, 0]
+
+
+def shift_similarities(detail: torch.Tensor) -> torch.Tensor:
+    """(B, H, W) detail -> (B, W - 1): for each shift s = 1..W-1, the cosine similarity of the image with itself
+    moved s px along W, over the part that overlaps (columns s..W-1 against 0..W-1-s); 0 where that part is flat.
+    The products for every shift come from one zero-padded FFT autocorrelation of each row."""
+    width = detail.shape[-1]
+    spectrum = torch.fft.rfft(detail, n=2 * width)
+    products = torch.fft.irfft(spectrum.conj() * spectrum, n=2 * width)[..., 1:width].sum(-2)  # [s-1]: sum d[i] d[i+s]
+    energy = F.pad(detail.square().sum(-2).cumsum(-1), (1, 0))  # [j]: energy of columns 0..j-1
+    shift = torch.arange(1, width, device=detail.device)
+    norms = (energy[..., width - shift] * (energy[..., width:] - energy[..., shift])).clamp(min=0).sqrt()
+    return torch.where(norms > 0, products / norms.clamp(min=1e-30), 0.0)
+
+
+def panel_shifts(width: int, max_panels: int, tolerance: float) -> tuple[list[int], list[int]]:
+    """The shifts tested along a side of ``width`` px: those within ``tolerance`` x width (at least 1 px) of a
+    panel offset j W / k (k = 2..max_panels), and the off-panel ones, farther than twice that from every panel
+    offset, between W/8 and 7W/8."""
+    slack = max(1.0, tolerance * width)
+    offsets = [j * width / k for k in range(2, max_panels + 1) for j in range(1, k)]
+    nearest = {s: min(abs(s - o) for o in offsets) for s in range(1, width)}
+    on_panel = [s for s, d in nearest.items() if d <= slack]
+    off_panel = [s for s, d in nearest.items() if d > 2 * slack and width / 8 <= s <= 7 * width / 8]
+    return on_panel, off_panel
+
+
+def repetition_evidence(detail: torch.Tensor, max_panels: int, tolerance: float) -> torch.Tensor:
+    """(B, H, W) detail -> (B,): how much better the image matches itself moved by a panel offset than moved by
+    any off-panel shift (:func:`panel_shifts`), clamped at 0. A tiling of copies matches at its panel width
+    (about 1) and nowhere else; a photo matches nowhere; a fine periodic texture matches everywhere alike."""
+    on_panel, off_panel = panel_shifts(detail.shape[-1], max_panels, tolerance)
+    similarity = shift_similarities(detail)  # [..., s - 1] for shift s
+    on = similarity[..., [s - 1 for s in on_panel]].amax(-1)
+    off = similarity[..., [s - 1 for s in off_panel]].amax(-1)
+    return (on - off).clamp(min=0)
+
+
+@REWARDS.register("tile_repetition", kind=POINTWISE, modality="image",
+                  description="evidence in [0, 1] that the image repeats itself at a panel offset (a tiling of "
+                              "copies); weight it negatively against grid hacking")
+class TileRepetition(Reward):
+    """Tiling detector: evidence in [0, 1] that the image is k x 1, 1 x k or k x k copies of one picture.
+
+    The companion of ``grid_seams``: copies that join without a visible seam still repeat. The image's fine
+    detail (:func:`detail_map`) is compared with itself moved along each axis; the evidence is the best match at
+    a panel offset j W / k minus the best match at off-panel shifts (:func:`repetition_evidence`), the larger
+    over both axes. A photo and noise score about 0, a 2x2 or 3x3 tiling of the photo about 0.9, with sharp or
+    blurred seams (tests/rewards/test_image_rules.py), and stripes or a checkerboard 0: a fine periodic texture
+    matches itself at every shift alike. Panels that are not copies (four different pictures) score about 0
+    here; ``grid_seams`` sees those. A mirrored diptych is not a translation and scores about 0.
+
+    Args:
+        max_panels: the largest number of panels per side tested (offsets j W / k for k = 2..max_panels).
+        tolerance: how far from a panel offset a match may lie, as a fraction of the side (at least 1 px).
+        detail_width: the box, in pixels, whose mean is taken off each pixel before comparing.
+        max_side: larger images are first shrunk (area interpolation) to this many pixels on their longer side,
+            which keeps the cost bounded; tiling is a large-scale structure and survives the shrink.
+    """
+
+    modality = "image"
+
+    def __init__(self, max_panels: int = 4, tolerance: float = 0.02, detail_width: int = 9, max_side: int = 256):
+        if max_panels < 2:
+            raise ValueError(f"tile_repetition: max_panels must be >= 2; got {max_panels}")
+        if not 0 <= tolerance < 0.05:
+            raise ValueError(f"tile_repetition: tolerance must be in [0, 0.05); got {tolerance}")
+        if detail_width < 3:
+            raise ValueError(f"tile_repetition: detail_width must be >= 3 pixels; got {detail_width}")
+        if max_side < 32:
+            raise ValueError(f"tile_repetition: max_side must be >= 32 pixels; got {max_side}")
+        self.max_panels, self.tolerance = max_panels, tolerance
+        self.detail_width, self.max_side = detail_width, max_side
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        images = images_or_raise(batch, "tile_repetition").to(torch.float64)
+        height, width = images.shape[-2:]
+        scale = min(1.0, self.max_side / max(height, width))
+        size = (round(height * scale), round(width * scale))
+        if not all(all(panel_shifts(side, self.max_panels, self.tolerance)) for side in size):
+            raise ValueError(f"tile_repetition: images of shape {tuple(images.shape)} (compared at "
+                             f"{size[0]}x{size[1]}) are too small for max_panels={self.max_panels}: no shift is left "
+                             "off the panel offsets to compare with")
+        if scale < 1:
+            images = F.interpolate(images, size=size, mode="area")
+        detail = detail_map(luminance(images)[:, 0], self.detail_width)
+        rows = repetition_evidence(detail, self.max_panels, self.tolerance)
+        columns = repetition_evidence(detail.transpose(1, 2), self.max_panels, self.tolerance)
+        return torch.maximum(rows, columns).cpu()

@@ -13,6 +13,7 @@ from PIL import Image
 from torchvision.transforms.functional import gaussian_blur
 
 from mmgrpo.rewards import RewardBatch, as_rgb_images, as_rgb_videos, build_reward, completions_or_raise
+from mmgrpo.rewards.image_rules import detail_map, panel_shifts, repetition_evidence, shift_similarities
 
 
 def image_batch(images, meta=None):
@@ -71,7 +72,8 @@ def test_channels_last_hint_and_small_rgb_images():
     assert as_rgb_images(torch.rand(1, 4, 3, 2)).shape == (1, 3, 3, 2)  # RGBA 2 px wide is not ambiguous
 
 
-@pytest.mark.parametrize("name", ["sharpness", "jpeg_compressibility", "color_fraction", "grid_seams"])
+@pytest.mark.parametrize("name", ["sharpness", "jpeg_compressibility", "color_fraction", "grid_seams",
+                                  "tile_repetition"])
 def test_empty_image_batches_are_one_clear_line(name):
     args = {"rgb": [255, 0, 0]} if name == "color_fraction" else {}
     with pytest.raises(ValueError, match=rf"^reward '{name}': images are empty: got shape \(0, 3, 8, 8\)"):
@@ -284,3 +286,103 @@ def test_grid_seams_checks_its_inputs():
         build_reward("grid_seams", {"tolerance": 0.3})
     with pytest.raises(ValueError, match="step_width must be >= 1 pixel"):
         build_reward("grid_seams", {"step_width": 0})
+
+
+# ---------------------------------------------------------------- tile_repetition
+
+def test_detail_map_removes_shading():
+    """A pixel minus its box mean: 0 on a flat image and inside a linear ramp (the box mean of a linear function
+    is its centre value); the mean comes off each pixel, as a direct 5x5 average at one pixel shows."""
+    ramp = torch.arange(20, dtype=torch.float64).view(1, 1, 20).expand(1, 16, 20) / 20
+    assert detail_map(ramp, 5)[:, 2:-2, 2:-2].abs().max() < 1e-15
+    assert detail_map(torch.full((1, 8, 8), 0.3, dtype=torch.float64), 3).abs().max() < 1e-15
+    x = torch.rand(1, 12, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert detail_map(x, 5)[0, 6, 7].item() == pytest.approx(x[0, 6, 7].item() - x[0, 4:9, 5:10].mean().item())
+
+
+def test_shift_similarities_are_the_cosines_of_the_overlaps():
+    """Every shift against a direct cosine of the overlapping columns; a flat image gives 0, not NaN; two copies
+    side by side match exactly at half the width."""
+    x = torch.randn(3, 10, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[2] = 0.0
+    got = shift_similarities(x)
+    assert got.shape == (3, 29)
+    for shift in (1, 7, 15, 29):
+        direct = F.cosine_similarity(x[:2, :, :-shift].flatten(1), x[:2, :, shift:].flatten(1), dim=1)
+        assert torch.allclose(got[:2, shift - 1], direct, atol=1e-12), shift
+    assert got[2].abs().max().item() == 0.0
+    tiled = x[:1, :, :15].repeat(1, 1, 2)
+    assert shift_similarities(tiled)[0, 14].item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_panel_shifts_by_hand():
+    """64 px, 2 panels, 1 px slack: panel offset 32, so 31..33 are on-panel; off-panel shifts lie more than 2 px
+    from 32 and within [8, 56]."""
+    on_panel, off_panel = panel_shifts(64, max_panels=2, tolerance=0.0)
+    assert on_panel == [31, 32, 33]
+    assert off_panel == [*range(8, 30), *range(35, 57)]
+    on_panel, _ = panel_shifts(300, max_panels=3, tolerance=0.01)  # offsets 100, 150, 200; slack 3 px
+    assert on_panel == [*range(97, 104), *range(147, 154), *range(197, 204)]
+
+
+def test_repetition_evidence_closed_forms():
+    """Two exact copies of noise side by side match at W/2 exactly; the evidence is 1 minus the best off-panel
+    match, which for noise is small. A flat image matches nowhere: 0."""
+    noise = torch.randn(1, 32, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    tiled = noise[..., :32].repeat(1, 1, 2)
+    _, off_panel = panel_shifts(64, 4, 0.02)
+    off = max(shift_similarities(tiled)[0, s - 1].item() for s in off_panel)
+    assert repetition_evidence(tiled, 4, 0.02).item() == pytest.approx(1.0 - off, abs=1e-12) and off < 0.2
+    assert repetition_evidence(torch.zeros(1, 32, 64, dtype=torch.float64), 4, 0.02).item() == 0.0
+
+
+def test_tile_repetition_tells_a_tiling_from_photos_textures_and_collages():
+    """Copies of the photo, 2x2, 3x3, blurred or with pixel noise, repeat at their panel width; the photo, noise,
+    a mirrored diptych and a collage of four different panels do not; a checkerboard and stripes repeat at every
+    shift alike, so they are texture, not tiling."""
+    whole, half = photo(256), photo(128)
+    grid2 = half.repeat(1, 1, 2, 2)
+    grid3 = F.pad(photo(85).repeat(1, 1, 3, 3), (0, 1, 0, 1), mode="replicate")
+    soft = gaussian_blur(grid2, kernel_size=13, sigma=2.0)
+    grainy = (grid2 + 0.05 * torch.randn(grid2.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
+    noise = torch.rand(1, 3, 256, 256, generator=torch.Generator().manual_seed(0))
+    mirror = torch.cat([whole[..., :128], whole[..., :128].flip(3)], -1)
+    collage = torch.cat([torch.cat([half, half.flip(3)], -1), torch.cat([half.transpose(2, 3), 1 - half], -1)], -2)
+    x = torch.arange(256.0)
+    checker = ((x[:, None] // 16 + x[None] // 16) % 2).expand(1, 3, 256, 256)
+    stripes = (0.5 + 0.5 * torch.sin(2 * torch.pi * x / 10)).expand(1, 3, 256, 256)
+    tilings = score("tile_repetition", torch.cat([grid2, grid3, soft, grainy])).tolist()
+    others = score("tile_repetition", torch.cat([whole, noise, mirror, collage, checker, stripes])).tolist()
+    assert min(tilings) > 0.75, tilings
+    assert max(others) < 0.15, others
+    wide = half.repeat(1, 1, 1, 3)  # 1 x 3 copies, 128 x 384
+    large = F.interpolate(grid2, size=(1024, 1024), mode="bilinear")  # shrunk to 256 before comparing
+    assert min(score("tile_repetition", wide).item(), score("tile_repetition", large).item()) > 0.75
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(1, 3), st.floats(-0.2, 0.2))
+def test_tile_repetition_is_invariant_to_flips_transposition_inversion_and_brightness(seed, panels, offset):
+    """Mirroring moves the overlaps but keeps their sums, transposing swaps the axes, inverting negates the
+    detail on both sides of every product, and a brightness offset leaves the detail as it is (up to the float32
+    rounding of the inputs, which the image checks cast to)."""
+    tile = torch.rand(1, 3, 96 // panels, 96 // panels, dtype=torch.float64,
+                      generator=torch.Generator().manual_seed(seed)) * 0.6 + 0.2
+    image = gaussian_blur(tile.repeat(1, 1, panels, panels), kernel_size=5, sigma=1.0)
+    variants = torch.cat([image, image.flip(3), image.flip(2), image.transpose(2, 3), 1 - image, image + offset])
+    scores = score("tile_repetition", variants).tolist()
+    assert scores == pytest.approx([scores[0]] * 6, abs=1e-6)
+
+
+def test_tile_repetition_checks_its_inputs():
+    with pytest.raises(ValueError, match=r"^tile_repetition: images of shape \(1, 3, 20, 64\) \(compared at "
+                                         r"20x64\) are too small for max_panels=4: no shift is left"):
+        score("tile_repetition", torch.rand(1, 3, 20, 64))
+    with pytest.raises(ValueError, match="max_panels must be >= 2"):
+        build_reward("tile_repetition", {"max_panels": 1})
+    with pytest.raises(ValueError, match=r"tolerance must be in \[0, 0.05\)"):
+        build_reward("tile_repetition", {"tolerance": 0.1})
+    with pytest.raises(ValueError, match="detail_width must be >= 3 pixels"):
+        build_reward("tile_repetition", {"detail_width": 1})
+    with pytest.raises(ValueError, match="max_side must be >= 32 pixels"):
+        build_reward("tile_repetition", {"max_side": 16})
