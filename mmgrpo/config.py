@@ -26,6 +26,16 @@ class ConfigError(ValueError):
     """A bad configuration. ``str()`` is the one-line message the CLI prints before exiting with code 2."""
 
 
+def cwd_hint(path: str | os.PathLike) -> str:
+    """The end of a not-found error for a relative ``path``: where it was looked for. The presets name the shipped
+    models and data relative to the repository root, so a run started elsewhere misses them. Empty for an
+    absolute path."""
+    if Path(path).is_absolute() or str(path).startswith("~"):
+        return ""
+    return (f" (looked for under the working directory {Path.cwd()}: the presets name the shipped files "
+            "relative to the repository root, so run from there or give an absolute path)")
+
+
 @dataclass
 class OptimConfig:
     """AdamW and its learning-rate schedule."""

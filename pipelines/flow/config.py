@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from mmgrpo.config import BaseConfig, ConfigError
+from mmgrpo.config import BaseConfig, ConfigError, cwd_hint
 
 DTYPES = ("float32", "bfloat16", "float16")
 TINY_KINDS = ("sd3", "flux", "wan")
@@ -217,4 +217,4 @@ def check_model_path(path: str) -> None:
         return
     local = path.startswith(("/", ".", "~")) or path.count("/") != 1
     if local and not os.path.isdir(os.path.expanduser(path)):
-        raise ConfigError(f"bad value for 'model.path': local model folder not found: {path}")
+        raise ConfigError(f"bad value for 'model.path': local model folder not found: {path}{cwd_hint(path)}")

@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmgrpo.config import ConfigError
+from mmgrpo.config import ConfigError, cwd_hint
 
 
 def read_prompt_file(path: str, key: str) -> list[dict]:
     """Items of a ``.txt`` or ``.jsonl`` prompt file; ``key`` is the config key that named it (for errors)."""
     file = Path(path).expanduser()
     if not file.is_file():
-        raise ConfigError(f"bad value for '{key}': prompt file not found: {file}")
+        raise ConfigError(f"bad value for '{key}': prompt file not found: {file}{cwd_hint(file)}")
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mmgrpo.config import ConfigError
+from mmgrpo.config import ConfigError, cwd_hint
 from mmgrpo.rewards.text_rules import PROBLEM_TYPES, canonical_problem_type, last_tagged, normalize_choice
 
 _CONSUMED = ("problem", "problem_type", "options", "solution", "answer", "path", "data_type", "images", "videos")
@@ -190,7 +190,7 @@ def read_samples(path: str | os.PathLike, root: str | os.PathLike) -> list[VLMSa
     try:
         text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError as err:
-        raise ConfigError(f"data file not found: {name}") from err
+        raise ConfigError(f"data file not found: {name}{cwd_hint(name)}") from err
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read data file {name}: {err}") from err
     is_list = text.lstrip().startswith("[")
