@@ -136,6 +136,8 @@ def resolve_model_path(path: str) -> tuple[str, bool]:
     local = Path(path).expanduser()
     parent_exists = str(local.parent) not in ("", ".") and local.parent.exists()
     if path.startswith(("/", "./", "../", "~")) or local.exists() or parent_exists:
+        if not local.exists():
+            raise ConfigError(f"bad value for 'model.path': local model folder not found: {path}{cwd_hint(path)}")
         if not (local / "model_index.json").is_file():
             raise ConfigError(f"bad value for 'model.path': {path} is not a diffusers pipeline folder "
                               "(no model_index.json)")

@@ -46,7 +46,8 @@ def resolve_path(cfg: VLMModelConfig) -> tuple[str, bool]:
     if local.is_dir():
         return str(local), True
     if local.exists() or not HUB_ID.fullmatch(cfg.path):
-        raise ConfigError(f"model.path: '{cfg.path}' is not an existing model folder")
+        raise ConfigError(f"model.path: '{cfg.path}' is not an existing model folder"
+                          f"{'' if local.exists() else cwd_hint(cfg.path)}")
     return cfg.path, False
 
 

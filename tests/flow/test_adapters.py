@@ -436,6 +436,9 @@ def test_bad_config_is_a_one_line_config_error_naming_the_key(overrides, key, fr
 def test_other_bad_inputs_name_their_keys(tmp_path, adapter_of, tiny_cache):
     with pytest.raises(ConfigError, match=r"'model.path'.*no model_index.json"):
         load_adapter(tiny_cfg("sd3", path=str(tmp_path)))
+    with pytest.raises(ConfigError, match=r"'model.path': local model folder not found: \./no-such-folder \(looked "
+                                          r"for under the working directory "):
+        load_adapter(tiny_cfg("sd3", path="./no-such-folder"))
     with pytest.raises(ConfigError, match=r"'model.lora_targets'"):
         load_adapter(tiny_cfg("wan", lora_targets=["no_such_layer"]))
     with pytest.raises(ConfigError, match=r"'sampling.height'"):

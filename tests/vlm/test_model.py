@@ -78,7 +78,10 @@ def test_bad_paths_and_dtype_are_config_errors(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="model.path") as err:
         VLMModel(VLMModelConfig(path="nobody-here/no-such-model"))
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "looked for under the working directory" in str(err.value)
+    with pytest.raises(ConfigError, match=r"^model.path: './no-such-folder' is not an existing model folder \(looked "
+                                          r"for under the working directory "):
+        VLMModel(VLMModelConfig(path="./no-such-folder"))
     with pytest.raises(ConfigError, match="tiny:qwen2_vl"):
         VLMModel(VLMModelConfig(path="tiny:llama"))
     with pytest.raises(ConfigError, match="model.dtype"):
