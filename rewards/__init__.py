@@ -6,13 +6,13 @@ from .clip_models import Aesthetic, ClipScore, HPSv2, HPSv21, PickScore, TextEmb
 from .image_rules import ColorFraction, JpegCompressibility, JpegIncompressibility, Sharpness
 from .preprocess import ClipPreprocess
 from .text_rules import AccuracyReward, FormatReward, LengthReward, TemporalIoU
-from .video import TemporalConsistency, VideoFrames
+from .video import Motion, TemporalConsistency, VideoFrames
 from .winrate import WinRate, pairwise_win_rate
 from .zoo import RewardZoo, build_reward
 
 __all__ = ["GROUPWISE", "POINTWISE", "AccuracyReward", "Aesthetic", "ClipPreprocess", "ClipScore",
            "ColorFraction", "FormatReward", "FunctionReward", "HPSv2", "HPSv21", "JpegCompressibility",
-           "JpegIncompressibility", "LengthReward", "PickScore", "Reward", "RewardBatch", "RewardZoo",
+           "JpegIncompressibility", "LengthReward", "Motion", "PickScore", "Reward", "RewardBatch", "RewardZoo",
            "Sharpness", "TemporalConsistency", "TemporalIoU", "TextEmbeddingCache", "VideoFrames", "WinRate",
            "as_rgb_images", "as_rgb_videos", "build_reward", "completions_or_raise", "pairwise_win_rate",
            "trl_reward"]

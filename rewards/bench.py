@@ -169,6 +169,7 @@ def _cases(models: dict[str, tuple[str, dict[str, Any]]]) -> list[Case]:
         Case("win_rate", f"clip_score base: {clip_note}", {"base": "clip_score", "base_args": clip}, "image"),
         Case("video_frames", f"clip_score on every frame: {clip_note}",
              {"image_reward": "clip_score", "image_reward_args": clip, "frames": VIDEO_FRAMES}, "video"),
+        Case("motion", "rule (frame differences)", {"frames": VIDEO_FRAMES}, "video"),
         Case("temporal_consistency", f"image tower: {clip_note}",
              {"model_name": clip["model_name"], "pretrained": clip["pretrained"], "frames": VIDEO_FRAMES,
               "device": "cpu"}, "video"),

@@ -1,4 +1,5 @@
-"""Video rewards: ``video_frames`` (any image reward over sampled frames) and ``temporal_consistency``.
+"""Video rewards: ``video_frames`` (any image reward over sampled frames), ``temporal_consistency`` and
+``motion`` (its counterpart: how much the frames change).
 
 Both take ``batch.videos`` (B, T, C, H, W) in [0, 1] (C = 3, or grayscale / RGBA, see :mod:`.checks`) and sample
 ``frames`` evenly spaced frames per video (first and last included; one frame = the middle one; None = all).
@@ -18,6 +19,7 @@ from mmgrpo.registry import REWARDS
 from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
 from .checks import as_rgb_videos
 from .clip_models import load_open_clip, resolve_device, resolve_dtype
+from .image_rules import luminance
 from .preprocess import ClipPreprocess
 
 REDUCTIONS = ("mean", "min")
@@ -130,7 +132,7 @@ class VideoFrames(Reward):
 class TemporalConsistency(Reward):
     """Mean cosine similarity of the CLIP image embeddings of adjacent sampled frames, in [-1, 1]: 1 for a static
     video, lower as content changes (real CLIP embeddings of natural frames rarely go below 0.5). NaN for a video
-    with fewer than 2 frames. Ignores the prompt. Rewards stillness: pair it with a motion or quality reward.
+    with fewer than 2 frames. Ignores the prompt. Rewards stillness: pair it with ``motion`` or a quality reward.
 
     Args:
         model_name: open_clip architecture, ``hf-hub:``/``local-dir:`` source, or a model-config JSON path.
@@ -171,3 +173,59 @@ class TemporalConsistency(Reward):
         feats = F.normalize(self.model.encode_image(self.preprocess(frames, self.dtype)).float(), dim=-1)
         feats = feats.view(b, n, -1)
         return (feats[:, 1:] * feats[:, :-1]).sum(-1).mean(1).double().cpu()
+
+
+def frame_differences(videos: torch.Tensor, max_side: int) -> torch.Tensor:
+    """(B, F, 3, H, W) RGB in [0, 1] -> (B, F - 1) mean absolute luma change between adjacent frames, in luma
+    units ([0, 1]). Frames larger than ``max_side`` px on their longer side are first shrunk (area interpolation),
+    which averages pixel noise away and bounds the cost."""
+    b, f = videos.shape[:2]
+    luma = luminance(videos.flatten(0, 1).to(torch.float64))
+    height, width = luma.shape[-2:]
+    scale = max_side / max(height, width)
+    if scale < 1:
+        luma = F.interpolate(luma, size=(max(1, round(height * scale)), max(1, round(width * scale))), mode="area")
+    luma = luma.view(b, f, -1)
+    return (luma[:, 1:] - luma[:, :-1]).abs().mean(-1)
+
+
+@REWARDS.register("motion", kind=POINTWISE, modality="video",
+                  description="mean absolute luma change between adjacent frames (anti-stillness guard), "
+                              "optionally saturating at a target")
+class Motion(Reward):
+    """How much a video moves: the mean absolute change of the luma between adjacent sampled frames
+    (:func:`frame_differences`), averaged over the pairs. 0 for a still video; NaN with fewer than 2 frames.
+
+    The counterpart of ``temporal_consistency``, which rewards stillness: a policy trained on consistency and
+    per-frame quality alone can learn to stop moving, and this shows it (as a monitor, weight 0) or pays against
+    it. It counts any change, flicker included, so do not train on it alone: with ``temporal_consistency`` beside
+    it, smooth motion is what scores on both. The value grows with the frame stride, so compare runs at the same
+    ``frames`` and clip length. ``saturate_at`` caps the incentive: ``min(1, value / saturate_at)`` pays nothing
+    beyond "moving enough".
+
+    Args:
+        frames: frames sampled per video, evenly spaced (None = all frames).
+        max_side: frames are shrunk to at most this many pixels on their longer side before differencing.
+        saturate_at: mean luma change at which the score reaches 1 and stops growing; None returns the raw value.
+    """
+
+    kind = POINTWISE
+    modality = "video"
+
+    def __init__(self, frames: int | None = 16, max_side: int = 64, saturate_at: float | None = None):
+        if frames is not None and frames < 2:
+            raise ValueError(f"motion: frames must be >= 2 (or None for all); got {frames}")
+        if max_side < 1:
+            raise ValueError(f"motion: max_side must be >= 1 pixel; got {max_side}")
+        if saturate_at is not None and saturate_at <= 0:
+            raise ValueError(f"motion: saturate_at must be > 0; got {saturate_at}")
+        self.frames, self.max_side, self.saturate_at = frames, max_side, saturate_at
+
+    def __call__(self, batch: RewardBatch) -> torch.Tensor:
+        """(B,) float64 CPU mean adjacent-frame luma change; NaN for single-frame videos."""
+        videos = videos_or_raise(batch, "motion")
+        index = sample_frame_indices(videos.shape[1], self.frames)
+        if len(index) < 2:
+            return torch.full((videos.shape[0],), float("nan"), dtype=torch.float64)
+        value = frame_differences(videos[:, index.to(videos.device)], self.max_side).mean(1).cpu()
+        return value if self.saturate_at is None else (value / self.saturate_at).clamp(max=1.0)

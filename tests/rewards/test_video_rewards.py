@@ -1,4 +1,5 @@
-"""Video rewards: an image reward over sampled frames, and CLIP temporal consistency (tiny models from conftest.py)."""
+"""Video rewards: an image reward over sampled frames, CLIP temporal consistency (tiny models from conftest.py), and
+motion."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import open_clip
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mmgrpo.registry import REWARDS
 from mmgrpo.rewards import FunctionReward, RewardBatch, build_reward
 from mmgrpo.rewards.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from mmgrpo.rewards.video import sample_frame_indices
+from mmgrpo.rewards.video import frame_differences, sample_frame_indices
 
 PROMPTS = ["a red cube spinning", "waves on a beach", "a cat jumps"]
 
@@ -47,7 +50,7 @@ class Recorder(FunctionReward):
 
 
 def test_registered_as_video_rewards():
-    for name in ("video_frames", "temporal_consistency"):
+    for name in ("video_frames", "temporal_consistency", "motion"):
         info = REWARDS.entry(name).info
         assert info["kind"] == "pointwise" and info["modality"] == "video" and info["description"]
 
@@ -146,3 +149,70 @@ def test_temporal_consistency_samples_frames_and_takes_grayscale(tiny_models, no
     gray = videos[:, :, :1]
     torch.testing.assert_close(reward(video_batch(gray, PROMPTS[:2])),
                                reward(video_batch(gray.expand(-1, -1, 3, -1, -1), PROMPTS[:2])), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- motion
+
+def moving_square(t: int, step: int, side: int = 8, size: int = 32) -> torch.Tensor:
+    """(1, t, 3, size, size): a white side x side square on black, moved ``step`` px right per frame."""
+    video = torch.zeros(1, t, 3, size, size)
+    for k in range(t):
+        video[0, k, :, 4:4 + side, 2 + k * step:2 + k * step + side] = 1.0
+    return video
+
+
+def test_frame_differences_closed_forms():
+    """A square of side s moved d < s px uncovers d x s pixels and covers d x s others, each changing by 1: the
+    mean change is 2 d s / (H W) per pair. A frame that brightens by c everywhere changes by c."""
+    diffs = frame_differences(moving_square(4, step=3), max_side=64)
+    assert diffs.shape == (1, 3) and torch.allclose(diffs, torch.full((1, 3), 2 * 3 * 8 / 32**2, dtype=torch.float64))
+    levels = torch.tensor([0.1, 0.35, 0.5]).view(1, 3, 1, 1, 1).expand(1, 3, 3, 16, 16)
+    assert torch.allclose(frame_differences(levels, 64), torch.tensor([[0.25, 0.15]], dtype=torch.float64))
+    # shrinking averages 2x2 blocks: a square on the block grid moved by whole blocks keeps its mean change
+    assert torch.allclose(frame_differences(moving_square(3, step=4), max_side=16), diffs[:, :2] * 4 / 3)
+
+
+def test_motion_scores_still_moving_and_single_frame_videos():
+    still = moving_square(5, step=0)
+    moving = moving_square(5, step=3)
+    scores = build_reward("motion", {})(video_batch(torch.cat([still, moving]), PROMPTS[:2]))
+    assert scores.dtype == torch.float64 and scores.tolist() == pytest.approx([0.0, 2 * 3 * 8 / 32**2])
+    capped = build_reward("motion", {"saturate_at": 0.02})(video_batch(torch.cat([still, moving]), PROMPTS[:2]))
+    assert capped.tolist() == pytest.approx([0.0, 1.0])
+    half = build_reward("motion", {"saturate_at": 0.1})(video_batch(moving, PROMPTS[:1]))
+    assert half.item() == pytest.approx(2 * 3 * 8 / 32**2 / 0.1)
+    assert math.isnan(build_reward("motion", {})(video_batch(moving[:, :1], PROMPTS[:1])).item())
+
+
+def test_motion_samples_frames_and_takes_grayscale():
+    videos = random_videos(2, 9, 24, 40, seed=5)
+    reward = build_reward("motion", {"frames": 3})
+    torch.testing.assert_close(reward(video_batch(videos, PROMPTS[:2])),
+                               build_reward("motion", {"frames": None})(video_batch(videos[:, [0, 4, 8]], PROMPTS[:2])))
+    gray = videos[:, :, :1]
+    torch.testing.assert_close(reward(video_batch(gray, PROMPTS[:2])),
+                               reward(video_batch(gray.expand(-1, -1, 3, -1, -1), PROMPTS[:2])), atol=1e-6, rtol=0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 6))
+def test_motion_is_invariant_to_time_reversal_mirroring_and_inversion(seed, frames):
+    """|a - b| is symmetric, so playing the clip backwards changes nothing; nor does mirroring the frames (the
+    shrink averages the same pixels) or inverting them (every change flips sign)."""
+    videos = random_videos(1, frames, 20, 28, seed=seed)
+    variants = torch.cat([videos, videos.flip(1), videos.flip(4), 1 - videos])
+    batch = RewardBatch(prompts=["p"] * 4, group=torch.zeros(4, dtype=torch.long), videos=variants)
+    scores = build_reward("motion", {"frames": None, "max_side": 16})(batch).tolist()
+    assert scores == pytest.approx([scores[0]] * 4, abs=1e-6)
+
+
+def test_motion_checks_its_inputs():
+    with pytest.raises(ValueError, match="reward 'motion' needs videos"):
+        build_reward("motion", {})(RewardBatch(prompts=["p"], group=torch.zeros(1, dtype=torch.long),
+                                               images=torch.rand(1, 3, 8, 8)))
+    with pytest.raises(ValueError, match=r"motion: frames must be >= 2"):
+        build_reward("motion", {"frames": 1})
+    with pytest.raises(ValueError, match="motion: max_side must be >= 1 pixel"):
+        build_reward("motion", {"max_side": 0})
+    with pytest.raises(ValueError, match="motion: saturate_at must be > 0"):
+        build_reward("motion", {"saturate_at": 0})
