@@ -180,12 +180,12 @@ def frame_differences(videos: torch.Tensor, max_side: int) -> torch.Tensor:
     units ([0, 1]). Frames larger than ``max_side`` px on their longer side are first shrunk (area interpolation),
     which averages pixel noise away and bounds the cost."""
     b, f = videos.shape[:2]
-    luma = luminance(videos.flatten(0, 1).to(torch.float64))
+    luma = luminance(videos.flatten(0, 1))  # float32: a float64 copy of every RGB frame made batch 32 1.6x slower
     height, width = luma.shape[-2:]
     scale = max_side / max(height, width)
     if scale < 1:
         luma = F.interpolate(luma, size=(max(1, round(height * scale)), max(1, round(width * scale))), mode="area")
-    luma = luma.view(b, f, -1)
+    luma = luma.to(torch.float64).view(b, f, -1)
     return (luma[:, 1:] - luma[:, :-1]).abs().mean(-1)
 
 
