@@ -36,6 +36,13 @@ def cwd_hint(path: str | os.PathLike) -> str:
             "relative to the repository root, so run from there or give an absolute path)")
 
 
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
+                 "inverse_sqrt")
+"""The transformers schedules that are a function of the optimiser step alone (the trainer steps them once per
+update and may re-plan their end, :mod:`mmgrpo.schedule`); plateau and greedy schedules need a metric, and the
+min-lr and warmup-stable-decay ones arguments this config does not carry."""
+
+
 @dataclass
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
@@ -51,7 +58,8 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value before each optimiser step; 0 disables clipping."""
     lr_scheduler: str = "constant_with_warmup"
-    """A transformers scheduler name: constant, constant_with_warmup, linear, cosine, ..."""
+    """A transformers schedule over the run's optimiser steps, one of ``LR_SCHEDULERS``: constant,
+    constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial or inverse_sqrt."""
     warmup_steps: int = 0
     """Optimiser steps of linear warm-up."""
 
@@ -416,13 +424,10 @@ def validate(cfg: BaseConfig) -> None:
         if spec.name in ("", "???"):
             raise ConfigError(f"missing required key 'rewards.{i}.name'")
         check_spec(spec.name, spec.args, f"rewards.{i}")
-    from transformers import SchedulerType
-
-    schedulers = [s.value for s in SchedulerType]
-    if cfg.optim.lr_scheduler not in schedulers:
-        close = difflib.get_close_matches(cfg.optim.lr_scheduler, schedulers, n=1, cutoff=0.0)
-        raise ConfigError(f"bad value '{cfg.optim.lr_scheduler}' for 'optim.lr_scheduler': expected a transformers "
-                          f"scheduler ({', '.join(schedulers)})" + (f" (closest: '{close[0]}')" if close else ""))
+    if cfg.optim.lr_scheduler not in LR_SCHEDULERS:
+        close = difflib.get_close_matches(cfg.optim.lr_scheduler, LR_SCHEDULERS, n=1, cutoff=0.0)
+        raise ConfigError(f"bad value '{cfg.optim.lr_scheduler}' for 'optim.lr_scheduler': expected one of "
+                          f"{', '.join(LR_SCHEDULERS)}" + (f" (closest: '{close[0]}')" if close else ""))
     from mmgrpo.registry import ADVANTAGES, POLICY_LOSSES, RegistryError
 
     for key, registry in (("grpo.advantage", ADVANTAGES), ("grpo.loss", POLICY_LOSSES)):

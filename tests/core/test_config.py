@@ -58,6 +58,8 @@ def test_registry_and_scheduler_names_are_checked_at_load(tmp_path):
     preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
     with pytest.raises(ConfigError, match="'optim.lr_scheduler'.*closest: 'cosine'"):
         load_config(preset, ["optim.lr_scheduler=cosin"])
+    with pytest.raises(ConfigError, match="'optim.lr_scheduler'"):  # needs a metric to step on
+        load_config(preset, ["optim.lr_scheduler=reduce_lr_on_plateau"])
     with pytest.raises(ConfigError, match="'grpo.advantage'.*'nope'"):
         load_config(preset, ["grpo.advantage=nope"])
     with pytest.raises(ConfigError, match="'grpo.loss'.*no_such_module"):
