@@ -52,6 +52,7 @@ from mmgrpo.policy import (
 )
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
+from mmgrpo.schedule import warp_schedule
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
 
 
@@ -97,6 +98,7 @@ class Trainer:
                                       weight_decay=o.weight_decay)
         scheduler = get_scheduler(o.lr_scheduler, optimizer, num_warmup_steps=o.warmup_steps,
                                   num_training_steps=cfg.train.max_steps)
+        self.schedule_warp = warp_schedule(scheduler, cfg.train.max_steps)
         self.policy.model, self.optimizer, self.scheduler = acc.prepare(self.policy.model, optimizer, scheduler)
         self.policy.setup(acc)
         if cfg.train.ema_decay > 0 and sharded_parameters(acc):
@@ -146,7 +148,7 @@ class Trainer:
         final = tmp.parent / f"step-{self.step}"
         if acc.is_main_process:
             state = {"step": self.step, "iteration": self.iteration, "sampler": self.sampler.state_dict(),
-                     "num_processes": acc.num_processes}
+                     "num_processes": acc.num_processes, "schedule_warp": self.schedule_warp.state_dict()}
             (tmp / checkpoint.CONFIG_FILE).write_text(to_yaml(self.cfg))
             final = checkpoint.finalize(tmp, state)
             checkpoint.prune(self.run_dir, self.cfg.train.keep_last)
@@ -173,7 +175,15 @@ class Trainer:
                               f"{first}){hint}") from err
         self.step, self.iteration = state["step"], state["iteration"]
         self.sampler.load_state_dict(state["sampler"])
+        if "schedule_warp" in state:  # checkpoints from before re-planning have none: the schedule as built
+            self.schedule_warp.load_state_dict(state["schedule_warp"])
         self.apply_optim_config()
+
+    def end_schedule_at(self, step: int) -> None:
+        """Re-plan the rest of the lr schedule, from the current step, to reach its end at optimiser step ``step``
+        (at most ``train.max_steps``): for a run bounded by wall-clock time, whose caller projects where its
+        budget ends. The lr is continuous; a constant schedule does not change. Saved in checkpoints."""
+        self.schedule_warp.replan(self.step, min(step, self.cfg.train.max_steps))
 
     def apply_optim_config(self) -> None:
         """Make the restored optimiser and LR schedule follow ``optim.*`` of this run: AdamW's betas, eps and weight

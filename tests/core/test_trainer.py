@@ -146,6 +146,28 @@ def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
     torch.testing.assert_close(loaded.model.weight.detach(), ema["weight"])
 
 
+def test_a_replanned_schedule_ends_there_and_survives_a_resume(tmp_path):
+    """end_schedule_at(6) at step 3 of a 12-step cosine: the lr follows the squeezed schedule and reaches 0 at step
+    6; a run stopped at step 4 and resumed from its checkpoint (past step 3, so only the checkpoint knows of the
+    re-plan) continues on the re-planned schedule."""
+    def run(out, stop_at, resume="null"):
+        trainer = Trainer(toy(out, "train.max_steps=12", "optim.lr_scheduler=cosine", "optim.lr=0.1",
+                              "train.save_every=0", f"resume={resume}"))
+
+        def should_stop(step, row):
+            if step == 3:
+                trainer.end_schedule_at(6)
+            return step >= stop_at
+
+        return [r["lr"] for r in trainer.train(should_stop)]
+
+    lrs = run(tmp_path / "straight", 6)
+    positions = [1, 2, 3, 6, 9, 12]  # steps 4..6 cover positions 3..12 of the 12-step schedule
+    assert lrs == pytest.approx([0.05 * (1 + math.cos(math.pi * p / 12)) for p in positions], abs=1e-12)
+    run(tmp_path / "resumed", 4)
+    assert run(tmp_path / "resumed", 6, resume="latest") == pytest.approx(lrs, abs=1e-12)  # the whole metrics.jsonl
+
+
 def _preset(path, run_dir, **train):
     data = {"pipeline": "toy_bandit:PIPELINE", "output_dir": str(run_dir), "resume": "latest",
             "train": {"max_steps": 16, "save_every": 2, "keep_last": 0, "prompts_per_step": 4, **train},
