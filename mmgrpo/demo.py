@@ -242,6 +242,12 @@ def training_budget_s(train_minutes: float, elapsed_s: float, held_out_eval_s: f
     return max(0.0, min(60.0 * train_minutes, room))
 
 
+def projected_end(step: int, elapsed_s: float, budget_s: float) -> int:
+    """The optimiser step at which a budget of ``budget_s`` seconds ends, if the steps after ``step`` (reached after
+    ``elapsed_s`` seconds) go at the pace of the ones before."""
+    return step + int((budget_s - elapsed_s) * step / elapsed_s)
+
+
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
     """Run one demo end to end and return what demo.json holds. ``minutes`` is the training budget; without it
     the demo's own (``DemoSpec.train_minutes``), cut to end the whole demo within ``DEMO_LIMIT_MINUTES``."""
@@ -294,6 +300,8 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     bar = tqdm(total=round(budget_s), desc="train (time budget)", unit="s", dynamic_ncols=True,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
 
+    decaying = not cfg.optim.lr_scheduler.startswith("constant")
+
     def should_stop(step: int, row: dict[str, Any]) -> bool:
         elapsed = time.perf_counter() - train_start
         out_of_time = elapsed > budget_s
@@ -315,6 +323,13 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
         if kept and (spec.selection == "last" or metrics[spec.metric] > reported["metrics"][spec.metric]):
             reported.update(step=step, metrics=metrics)
             policy.save(snapshot)
+        if decaying and not out_of_time and step >= cfg.optim.warmup_steps:
+            # a decaying lr reaches its end with the budget: at the pace so far (checks included), where is that?
+            end = min(projected_end(step, time.perf_counter() - train_start, budget_s), cfg.train.max_steps)
+            if end != trainer.schedule_warp.planned_end():
+                trainer.end_schedule_at(end)
+                bar.write(f"step {step}: the lr schedule now ends at step {end}, where the time budget is "
+                          "projected to end")
         if out_of_time:
             stop_reason["why"] = f"{budget_note} of {budget_s / 60:.1f} minutes reached at step {step}"
         return out_of_time
@@ -329,7 +344,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
               "after": after[spec.metric], "minutes": round(total_minutes, 2)}
     (out / "demo.json").write_text(json.dumps(result, indent=2))
     write_report(out, which, spec, cfg, before, after, validations, history, reported["step"], stop_reason["why"],
-                 before_batch, after_batch, total_minutes)
+                 before_batch, after_batch, total_minutes, trainer.schedule_warp.planned_end())
     console.print(comparison_table(spec, before, after, flow))
     console.print(f"wrote {out / 'report.md'} and {out / 'demo.json'} ({total_minutes:.1f} minutes)")
     return result
@@ -356,8 +371,9 @@ def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -
 def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[str, float],
                  after: dict[str, float], validations: list[tuple[int, dict[str, float]]],
                  history: list[dict[str, Any]], reported_step: int, stop_reason: str, before_batch: Any,
-                 after_batch: Any, minutes: float) -> None:
-    """report.md with the before/after table, the training and validation curves, and before/after samples."""
+                 after_batch: Any, minutes: float, schedule_end: float) -> None:
+    """report.md with the before/after table, the training and validation curves, and before/after samples.
+    ``schedule_end`` is the step the lr schedule was last planned to end at."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -404,8 +420,11 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
                      if "circular_accuracy" in before else "")
     rows = "\n".join(f"| {name} | {b:.3f} | {a:.3f} | {a - b:+.3f} |"
                      for name, b, a in table_rows(before, after, spec.metric))
-    schedule = cfg.optim.lr_scheduler + ("" if cfg.optim.lr_scheduler.startswith("constant")
-                                         else f" decay over {cfg.train.max_steps} steps")
+    schedule = cfg.optim.lr_scheduler
+    if not schedule.startswith("constant"):
+        schedule += f" decay over {cfg.train.max_steps} steps" + (
+            f", re-planned to end at step {schedule_end:.0f}, where the time budget was projected to end"
+            if schedule_end < cfg.train.max_steps else "")
     text = f"""# mmgrpo demo {which}: {spec.task}
 
 GRPO on the tiny shipped model, on CPU, with no downloads. Preset: `{spec.preset}`

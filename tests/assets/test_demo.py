@@ -79,6 +79,12 @@ def test_training_budget_leaves_room_for_the_evaluations_after_training():
     assert demo.training_budget_s(14.0, elapsed_s=limit_s, held_out_eval_s=90.0, val_eval_s=30.0) == 0.0
 
 
+def test_projected_end_assumes_the_pace_so_far():
+    assert demo.projected_end(100, 60.0, 840.0) == 1400  # 0.6 s per step, 780 s left: 1,300 more steps
+    assert demo.projected_end(300, 290.0, 300.0) == 310
+    assert demo.projected_end(1, 0.5, 0.5) == 1
+
+
 def test_vlm_validation_questions_are_unseen_in_training_and_held_out():
     data = demo.REPO / "assets" / "data" / "shapes_qa"
     spec = demo.DEMOS["vlm"]
