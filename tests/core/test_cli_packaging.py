@@ -80,29 +80,31 @@ def test_pipelines_and_rewards_import_only_under_mmgrpo():
     assert Path(mmgrpo.rewards.__file__).parent == ROOT / "rewards"
 
 
-def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, support_env):
+def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, capsys):
+    """In process (the CLI in a real process: the failing-reward and kill-and-resume tests)."""
     import json
 
     import yaml
+
+    from mmgrpo.cli import main
 
     preset = tmp_path / "toy.yaml"
     preset.write_text(yaml.safe_dump({"pipeline": "toy_bandit:PIPELINE", "output_dir": str(tmp_path / "run"),
                                       "train": {"max_steps": 12, "save_every": 6},
                                       "optim": {"lr": 0.2}, "logging": {"tensorboard": False}}))
-    trained = run("train", str(preset), env=support_env)
-    assert trained.returncode == 0, trained.stderr[-2000:]
-    assert "reward/mean" in trained.stdout  # the end-of-run summary table
-    base = run("eval", str(preset), f"output_dir={tmp_path / 'base'}", env=support_env)
-    tuned = run("eval", str(preset), "resume=latest", env=support_env)
-    assert base.returncode == 0 and tuned.returncode == 0, base.stderr + tuned.stderr
+    assert main(["train", str(preset)]) == 0
+    assert "reward/mean" in capsys.readouterr().out  # the end-of-run summary table
+    assert main(["eval", str(preset), f"output_dir={tmp_path / 'base'}"]) == 0
+    assert main(["eval", str(preset), "resume=latest"]) == 0
     before = json.loads((tmp_path / "base" / "eval.json").read_text())["rewards"]
     after = json.loads((tmp_path / "run" / "eval.json").read_text())["rewards"]
     key = "toy_bandit:match_reward"
     assert after[key] > before[key], (before, after)
-    sampled = run("sample", str(preset), "resume=latest", "--prompt", "prompt 3", env=support_env)
-    assert sampled.returncode == 0 and (tmp_path / "run" / "samples" / "sample.txt").read_text().startswith("prompt 3")
-    missing = run("eval", str(preset), f"output_dir={tmp_path / 'empty'}", "resume=latest", env=support_env)
-    assert missing.returncode == 2 and "no checkpoint" in missing.stderr
+    assert main(["sample", str(preset), "resume=latest", "--prompt", "prompt 3"]) == 0
+    assert (tmp_path / "run" / "samples" / "sample.txt").read_text().startswith("prompt 3")
+    capsys.readouterr()
+    assert main(["eval", str(preset), f"output_dir={tmp_path / 'empty'}", "resume=latest"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
 
 
 def test_a_failing_reward_stops_the_run_with_one_line(tmp_path, support_env):

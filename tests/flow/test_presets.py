@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from mmgrpo.cli import main
 from mmgrpo.config import load_config
 from mmgrpo.pipelines.flow.modes import build_mode
 
@@ -66,7 +67,8 @@ def test_every_preset_loads_and_builds_its_mode(preset):
             assert cfg.mode.shared_initial_noise
 
 
-def test_bad_keys_and_values_exit_2_naming_the_key():
+def test_bad_keys_and_values_exit_2_naming_the_key(tmp_path, capsys):
+    """In process (the exit code and one-line message through a real process: tests/core/test_config.py)."""
     cases = [("tiny_mixgrpo", ["no.such.key=1"], "no.such.key"),
              ("tiny_branchgrpo", ["mode.split_points=[2,4,12]"], "mode.split_points"),
              ("tiny_branchgrpo", ["mode.branch_variant=mix", "mode.window_size=11"], "mode.window_size"),
@@ -76,9 +78,10 @@ def test_bad_keys_and_values_exit_2_naming_the_key():
              ("tiny_flowgrpo", ["model.path=nobody/no-such-model", "data.train_prompts=no/such/prompts.txt"],
               "data.train_prompts")]
     # more: test_modes.py
-    runs = [(key, mmgrpo("train", f"configs/flow/{preset}.yaml", *args)) for preset, args, key in cases]
-    for key, proc in runs:
-        _, err = proc.communicate()
-        assert proc.returncode == 2, err
+    for preset, args, key in cases:
+        code = main(["train", str(ROOT / f"configs/flow/{preset}.yaml"), f"output_dir={tmp_path / preset}",
+                     "logging.progress=false", *args])
+        err = capsys.readouterr().err
+        assert code == 2, err
         lines = err.strip().splitlines()
         assert len(lines) == 1 and f"'{key}'" in lines[0], err
