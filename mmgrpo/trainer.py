@@ -175,8 +175,9 @@ class Trainer:
                               f"{first}){hint}") from err
         self.step, self.iteration = state["step"], state["iteration"]
         self.sampler.load_state_dict(state["sampler"])
-        if "schedule_warp" in state:  # checkpoints from before re-planning have none: the schedule as built
-            self.schedule_warp.load_state_dict(state["schedule_warp"])
+        warp = state.get("schedule_warp")  # none in checkpoints from before re-planning
+        if warp is not None and warp["horizon"] == self.cfg.train.max_steps:  # else: a new horizon, as built
+            self.schedule_warp.load_state_dict(warp)
         self.apply_optim_config()
 
     def end_schedule_at(self, step: int) -> None:

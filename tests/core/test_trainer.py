@@ -149,9 +149,9 @@ def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
 def test_a_replanned_schedule_ends_there_and_survives_a_resume(tmp_path):
     """end_schedule_at(6) at step 3 of a 12-step cosine: the lr follows the squeezed schedule and reaches 0 at step
     6; a run stopped at step 4 and resumed from its checkpoint (past step 3, so only the checkpoint knows of the
-    re-plan) continues on the re-planned schedule."""
-    def run(out, stop_at, resume="null"):
-        trainer = Trainer(toy(out, "train.max_steps=12", "optim.lr_scheduler=cosine", "optim.lr=0.1",
+    re-plan) continues on the re-planned schedule; one that changes train.max_steps gets the new schedule."""
+    def run(out, stop_at, resume="null", max_steps=12):
+        trainer = Trainer(toy(out, f"train.max_steps={max_steps}", "optim.lr_scheduler=cosine", "optim.lr=0.1",
                               "train.save_every=0", f"resume={resume}"))
 
         def should_stop(step, row):
@@ -166,6 +166,9 @@ def test_a_replanned_schedule_ends_there_and_survives_a_resume(tmp_path):
     assert lrs == pytest.approx([0.05 * (1 + math.cos(math.pi * p / 12)) for p in positions], abs=1e-12)
     run(tmp_path / "resumed", 4)
     assert run(tmp_path / "resumed", 6, resume="latest") == pytest.approx(lrs, abs=1e-12)  # the whole metrics.jsonl
+    # a resume that changes train.max_steps asks for a new horizon: the schedule as built for it
+    assert run(tmp_path / "resumed", 7, resume="latest", max_steps=20)[-1] == pytest.approx(
+        0.05 * (1 + math.cos(math.pi * 7 / 20)), abs=1e-12)
 
 
 def _preset(path, run_dir, **train):
