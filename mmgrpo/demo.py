@@ -326,7 +326,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
         if decaying and not out_of_time and step >= cfg.optim.warmup_steps:
             # a decaying lr reaches its end with the budget: at the pace so far (checks included), where is that?
             end = min(projected_end(step, time.perf_counter() - train_start, budget_s), cfg.train.max_steps)
-            if end != trainer.schedule_warp.planned_end():
+            if step < end != trainer.schedule_warp.planned_end():
                 trainer.end_schedule_at(end)
                 bar.write(f"step {step}: the lr schedule now ends at step {end}, where the time budget is "
                           "projected to end")
