@@ -38,6 +38,7 @@ from mmgrpo.grpo import (
     batch_normalize,
     clip_advantages,
     combine_rewards,
+    constant_columns,
     no_signal_groups,
     ratio_stats,
     weighted_reward,
@@ -54,6 +55,9 @@ from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.schedule import warp_schedule
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
+
+SILENT_REWARD_ROLLOUTS = 10
+"""Rollouts after which a reward that has given every sample the same score is reported (once per run)."""
 
 
 def make_accelerator(cfg: BaseConfig) -> Accelerator:
@@ -116,6 +120,9 @@ class Trainer:
         self.iteration = 0
         self.skipped_updates = 0
         """Optimiser updates skipped for a non-finite gradient norm in this process's run."""
+        self.rollouts_scored = 0
+        self.rewards_varied: torch.Tensor | None = None
+        """(R,) bool: whether each reward has scored two samples differently in this process's run."""
         self.interrupted: str | None = None
         """The signal (SIGINT, SIGTERM) that ended :meth:`train` early, after saving a checkpoint; None otherwise."""
 
@@ -231,7 +238,9 @@ class Trainer:
         return this process's (N, U) unit advantages plus statistics. Groups never straddle processes, but global
         statistics (batch std, logging) need everyone's rewards."""
         g = self.cfg.grpo
-        all_main = self.rewards.standardize(self._gather(main))
+        gathered = self._gather(main)
+        self.check_silent_rewards(gathered)
+        all_main = self.rewards.standardize(gathered)
         all_group = self._gather(rollout.group)
         weights = self.rewards.weights
         adv = combine_rewards(all_main, weights, all_group, self.cfg.reward_aggregation, g.advantage, g.adv_eps)
@@ -249,6 +258,23 @@ class Trainer:
         rollout.sample_mask = rollout.sample_mask & local_keep.to(rollout.sample_mask.device)
         unit_adv = self.policy.unit_advantages(rollout, local_adv, combined[lo:lo + n])
         return unit_adv.float(), stats
+
+    def check_silent_rewards(self, rewards: torch.Tensor) -> None:
+        """Warn once, at the ``SILENT_REWARD_ROLLOUTS``-th rollout of this run, about every reward that has given
+        every sample the same score so far, from the gathered (B, R) ``rewards``: it adds nothing to the advantages.
+        A format reward stuck at 0 is the usual case (a policy SFT'd without the tags it asks for)."""
+        if self.rewards_varied is None:
+            self.rewards_varied = torch.zeros(rewards.shape[1], dtype=torch.bool)
+        self.rewards_varied |= ~constant_columns(rewards)
+        self.rollouts_scored += 1
+        if self.rollouts_scored != SILENT_REWARD_ROLLOUTS or not self.accelerator.is_main_process:
+            return
+        for r, name in enumerate(self.rewards.names):
+            if not self.rewards_varied[r]:
+                warnings.warn(f"reward '{name}' gave every sample of the first {SILENT_REWARD_ROLLOUTS} rollouts the "
+                              f"same score ({rewards[:, r].nanmean().item():g}), so it adds nothing to the "
+                              "advantages (a format reward at 0: the policy never writes the format it asks for; "
+                              "docs/rewards.md)", RuntimeWarning, stacklevel=2)
 
     def _micro_batches(self, n: int, generator: torch.Generator | None) -> list[list[torch.Tensor]]:
         """Split the n local rows into updates_per_rollout updates of micro-batches of consecutive rows, the

@@ -14,7 +14,7 @@ from .advantages import (
     weighted_reward,
     zero_std_groups,
 )
-from .diagnostics import advantage_stats, masked_mean, ratio_stats
+from .diagnostics import advantage_stats, constant_columns, masked_mean, ratio_stats
 from .losses import (
     aggregation_count,
     aggregation_weights,
@@ -32,6 +32,7 @@ __all__ = [
     "batch_normalize",
     "clip_advantages",
     "combine_rewards",
+    "constant_columns",
     "gaussian_mean_kl",
     "group_mean",
     "group_mean_batch_std",

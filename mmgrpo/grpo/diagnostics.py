@@ -43,3 +43,13 @@ def advantage_stats(adv: torch.Tensor, rewards_combined: torch.Tensor, group: to
         "groups/zero_std_frac": ((std <= ZERO_STD_TOL) | (count <= 1)).double().mean().item(),
         "reward/std_within_group": std[scored].mean().item() if scored.any() else 0.0,
     }
+
+
+def constant_columns(rewards: torch.Tensor, tol: float = ZERO_STD_TOL) -> torch.Tensor:
+    """(R,) bool for (B, R) rewards (NaN = does not apply): whether each column takes one value, within ``tol``,
+    over its non-NaN entries. A column with none counts as constant."""
+    r = rewards.detach().double()
+    valid = ~r.isnan()
+    high = torch.where(valid, r, -torch.inf).amax(0)
+    low = torch.where(valid, r, torch.inf).amin(0)
+    return ~valid.any(0) | (high - low <= tol)

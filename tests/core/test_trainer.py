@@ -171,6 +171,16 @@ def test_a_replanned_schedule_ends_there_and_survives_a_resume(tmp_path):
         0.05 * (1 + math.cos(math.pi * 7 / 20)), abs=1e-12)
 
 
+def test_a_reward_that_never_varies_is_reported_once(tmp_path):
+    rewards = json.dumps([{"name": "toy_bandit:match_reward"}, {"name": "toy_bandit:constant_reward"}])
+    trainer = Trainer(toy(tmp_path, "train.max_steps=12", "train.save_every=0", f"rewards={rewards}"))
+    with pytest.warns(RuntimeWarning) as caught:
+        trainer.train()
+    silent = [str(w.message) for w in caught if "adds nothing to the advantages" in str(w.message)]
+    assert len(silent) == 1 and silent[0].startswith("reward 'toy_bandit:constant_reward' gave every sample of the "
+                                                     "first 10 rollouts the same score (0)"), silent
+
+
 def _preset(path, run_dir, **train):
     data = {"pipeline": "toy_bandit:PIPELINE", "output_dir": str(run_dir), "resume": "latest",
             "train": {"max_steps": 16, "save_every": 2, "keep_last": 0, "prompts_per_step": 4, **train},

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmgrpo.grpo.diagnostics import advantage_stats, masked_mean, ratio_stats
+from mmgrpo.grpo.diagnostics import advantage_stats, constant_columns, masked_mean, ratio_stats
 
 NAN = float("nan")
 
@@ -54,3 +54,17 @@ def test_zero_std_frac_counts_groups(pairs):
     zero = [len({r for g, r in pairs if g == gid}) == 1 for gid in ids]
     stats = advantage_stats(torch.zeros(len(pairs)), rewards, group)
     assert stats["groups/zero_std_frac"] == pytest.approx(sum(zero) / len(ids))
+
+
+def test_constant_columns_ignore_nan_and_count_an_all_nan_column_as_constant():
+    rewards = torch.tensor([[1.0, 0.0, NAN, 0.5], [1.0, 2.0, NAN, 0.5 + 1e-12], [NAN, 0.0, NAN, 0.5]])
+    assert constant_columns(rewards).tolist() == [True, False, True, True]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=2, max_size=12), st.floats(-100, 100))
+def test_constant_columns_agree_with_the_spread_and_ignore_a_shift(values, shift):
+    rewards = torch.tensor(values, dtype=torch.float64)[:, None]
+    expected = max(values) - min(values) <= 1e-9
+    assert constant_columns(rewards).item() == expected
+    assert constant_columns(torch.full_like(rewards, shift)).item()

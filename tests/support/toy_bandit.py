@@ -132,3 +132,8 @@ class ToyPolicy(Policy):
 
 
 PIPELINE = PipelineSpec(config_class=ToyConfig, build=ToyPolicy, description="categorical bandit for tests")
+
+
+def constant_reward(batch: RewardBatch) -> list[float]:
+    """0 for every completion: a reward that never gives a signal."""
+    return [0.0] * len(batch.completions)
