@@ -252,6 +252,22 @@ def projected_end(step: int, elapsed_s: float, budget_s: float) -> int:
     return step + int((budget_s - elapsed_s) * step / elapsed_s)
 
 
+def fit_schedule_to_budget(trainer: Any, step: int, elapsed_s: float, budget_s: float) -> int | None:
+    """Re-plan the decaying lr schedule of ``trainer`` (at optimiser ``step``, ``elapsed_s`` into a time budget of
+    ``budget_s``) to end where the budget is projected to (:func:`projected_end`, at most ``train.max_steps``),
+    once warm-up is over and when that is more than ``REPLAN_TOLERANCE`` off the plan. Returns the new end step, or
+    None when the plan stays (a constant schedule always keeps it)."""
+    cfg = trainer.cfg
+    if cfg.optim.lr_scheduler.startswith("constant") or step < cfg.optim.warmup_steps:
+        return None
+    end = min(projected_end(step, elapsed_s, budget_s), cfg.train.max_steps)
+    planned = trainer.schedule_warp.planned_end()
+    if end <= step or abs(end - planned) <= REPLAN_TOLERANCE * planned:
+        return None
+    trainer.end_schedule_at(end)
+    return end
+
+
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
     """Run one demo end to end and return what demo.json holds. ``minutes`` is the training budget; without it
     the demo's own (``DemoSpec.train_minutes``), cut to end the whole demo within ``DEMO_LIMIT_MINUTES``."""
@@ -304,8 +320,6 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     bar = tqdm(total=round(budget_s), desc="train (time budget)", unit="s", dynamic_ncols=True,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
 
-    decaying = not cfg.optim.lr_scheduler.startswith("constant")
-
     def should_stop(step: int, row: dict[str, Any]) -> bool:
         elapsed = time.perf_counter() - train_start
         out_of_time = elapsed > budget_s
@@ -327,14 +341,12 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
         if kept and (spec.selection == "last" or metrics[spec.metric] > reported["metrics"][spec.metric]):
             reported.update(step=step, metrics=metrics)
             policy.save(snapshot)
-        if decaying and not out_of_time and step >= cfg.optim.warmup_steps:
-            # a decaying lr reaches its end with the budget: at the pace so far (checks included), where is that?
-            end = min(projected_end(step, time.perf_counter() - train_start, budget_s), cfg.train.max_steps)
-            planned = trainer.schedule_warp.planned_end()
-            if step < end and abs(end - planned) > REPLAN_TOLERANCE * planned:
-                trainer.end_schedule_at(end)
-                bar.write(f"step {step}: the lr schedule now ends at step {end}, where the time budget is "
-                          "projected to end")
+        # the pace so far includes the validation checks, which the rest of the budget has too
+        end = None if out_of_time else fit_schedule_to_budget(trainer, step, time.perf_counter() - train_start,
+                                                               budget_s)
+        if end is not None:
+            bar.write(f"step {step}: the lr schedule now ends at step {end}, where the time budget is projected "
+                      "to end")
         if out_of_time:
             stop_reason["why"] = f"{budget_note} of {budget_s / 60:.1f} minutes reached at step {step}"
         return out_of_time

@@ -52,17 +52,17 @@ to the preset."""
 def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, Any]:
     """Train one variant for ``budget_minutes`` of training time; return its row (curve included)."""
     from mmgrpo.config import load_config
-    from mmgrpo.demo import DEMOS, HONESTY_MEASURES, REPO, evaluate
+    from mmgrpo.demo import DEMOS, HONESTY_MEASURES, REPO, evaluate, fit_schedule_to_budget
     from mmgrpo.trainer import Trainer
 
     which, overrides = VARIANTS[name]
     spec = DEMOS[which]
-    # A wall-clock budget has no step count for a decaying schedule to end at (and the variants' steps differ in
-    # cost), so every variant runs at the preset's peak learning rate.
+    # The preset's lr schedule, with a horizon no run reaches: a decaying one is re-planned at each mark to end
+    # where the budget is projected to (the variants' steps differ in cost), as the demo does.
     # num_threads=0: the thread count ``mmgrpo bench --threads`` set (and recorded), not the preset's.
     # No checkpoints: the run folder is temporary, and saving would count as training time.
     base = [f"output_dir={output_dir}", "resume=null", "train.eval_every=0", "train.save_every=0",
-            "train.max_steps=100000", "optim.lr_scheduler=constant_with_warmup", "logging.progress=false",
+            "train.max_steps=100000", "logging.progress=false",
             *spec.overrides, *overrides, "num_threads=0"]
     cfg = load_config(REPO / spec.preset, base)
     if which == "vlm" and cfg.tgrpo.enabled:
@@ -87,6 +87,8 @@ def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, 
             metrics, _ = evaluate(trainer.policy, trainer.rewards, items, spec, flow, circular=done)
             curve.append((clock["train_s"] / 60, metrics[spec.metric]))
             last.update(metrics)
+            if not done:
+                fit_schedule_to_budget(trainer, step, clock["train_s"], marks[-1])
         clock["since"] = time.perf_counter()
         return done
 
