@@ -121,7 +121,7 @@ class Trainer:
         self.skipped_updates = 0
         """Optimiser updates skipped for a non-finite gradient norm in this process's run."""
         self.rollouts_scored = 0
-        self.rewards_varied: torch.Tensor | None = None
+        self.rewards_varied = torch.zeros(len(self.rewards.names), dtype=torch.bool)
         """(R,) bool: whether each reward has scored two samples differently in this process's run."""
         self.interrupted: str | None = None
         """The signal (SIGINT, SIGTERM) that ended :meth:`train` early, after saving a checkpoint; None otherwise."""
@@ -263,18 +263,17 @@ class Trainer:
         """Warn once, at the ``SILENT_REWARD_ROLLOUTS``-th rollout of this run, about every reward that has given
         every sample the same score so far, from the gathered (B, R) ``rewards``: it adds nothing to the advantages.
         A format reward stuck at 0 is the usual case (a policy SFT'd without the tags it asks for)."""
-        if self.rewards_varied is None:
-            self.rewards_varied = torch.zeros(rewards.shape[1], dtype=torch.bool)
         self.rewards_varied |= ~constant_columns(rewards)
         self.rollouts_scored += 1
         if self.rollouts_scored != SILENT_REWARD_ROLLOUTS or not self.accelerator.is_main_process:
             return
         for r, name in enumerate(self.rewards.names):
             if not self.rewards_varied[r]:
-                warnings.warn(f"reward '{name}' gave every sample of the first {SILENT_REWARD_ROLLOUTS} rollouts the "
-                              f"same score ({rewards[:, r].nanmean().item():g}), so it adds nothing to the "
-                              "advantages (a format reward at 0: the policy never writes the format it asks for; "
-                              "docs/rewards.md)", RuntimeWarning, stacklevel=2)
+                score = rewards[:, r].nanmean().item()
+                what = "no score (NaN: it did not apply)" if math.isnan(score) else f"the same score ({score:g})"
+                warnings.warn(f"reward '{name}' gave every sample of the first {SILENT_REWARD_ROLLOUTS} rollouts "
+                              f"{what}, so it adds nothing to the advantages (a format reward at 0: the policy "
+                              "never writes the format it asks for; docs/rewards.md)", RuntimeWarning, stacklevel=2)
 
     def _micro_batches(self, n: int, generator: torch.Generator | None) -> list[list[torch.Tensor]]:
         """Split the n local rows into updates_per_rollout updates of micro-batches of consecutive rows, the
