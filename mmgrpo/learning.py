@@ -1,14 +1,14 @@
 """``mmgrpo bench learning``: the algorithms side by side on the same work, held-out accuracy against wall-clock.
 
-Every variant starts from the same shipped tiny model and the demo preset of its pipeline (``mmgrpo.demo.DEMOS``),
-changes only the algorithm (``VARIANTS``), and trains for the same wall-clock budget. The held-out set is scored
-at fixed marks of training time (evaluation time is not counted), so each row is a curve of accuracy against
-minutes; the reported ``after`` is the final model (no selection). The honesty measures of the demo (diversity
-and size/position distance for flow, answer diversity and CircularEval accuracy for vlm) are reported before and
-after as well; CircularEval only then, as it costs a few plain passes.
+Every preset of ``configs/learning/`` (``PRESETS``) is its pipeline's demo preset (``mmgrpo.demo.DEMOS``) with only
+the algorithm changed, so each starts from the same shipped tiny model and trains for the same wall-clock budget.
+The held-out set is scored at fixed marks of training time (evaluation time is not counted), so each row is a
+curve of accuracy against minutes; the reported ``after`` is the final model (no selection). The honesty
+measures of the demo (diversity and size/position distance for flow, answer diversity and CircularEval accuracy
+for vlm) are reported before and after as well; CircularEval only then, as it costs a few plain passes.
 
-Figures (the ARCHITECTURE.md contract): ``<variant>/before``, ``<variant>/after``, ``<variant>/minutes`` (training
-minutes), and for MixGRPO and Flash ``<variant>/time_to_flow_grpo_final`` (the training time at which they first
+Figures (the ARCHITECTURE.md contract): ``<preset>/before``, ``<preset>/after``, ``<preset>/minutes`` (training
+minutes), and for MixGRPO and Flash ``<preset>/time_to_flow_grpo_final`` (the training time at which they first
 reached Flow-GRPO's final accuracy, divided by Flow-GRPO's budget; left out when they never did, and their row
 says ``reached_flow_grpo_final: false``).
 """
@@ -26,48 +26,32 @@ import torch
 from mmgrpo.bench import BENCHES
 
 BUDGET_MINUTES = {"flow": 8.0, "vlm": 6.0}
-"""Training wall-clock per variant."""
+"""Training wall-clock per preset, by pipeline."""
 MARKS = 8
 """Held-out evaluations during training, evenly spaced over the budget (plus one before training)."""
-TEMPORAL_BONUS = {"name": "temporal_bonus", "weight": 1.0, "args": {"alpha": 0.3, "mu": 0.8}}
-
-VARIANTS: dict[str, tuple[str, list[str]]] = {
-    "flow_grpo": ("flow", ["mode.name=flow_grpo"]),
-    "dance_grpo": ("flow", ["mode.name=dance_grpo", "mode.train_fraction=0.6"]),
-    "mixgrpo": ("flow", []),
-    "mixgrpo_flash": ("flow", ["mode.name=mixgrpo_flash"]),
-    "branch": ("flow", ["mode.name=branch", "mode.split_points=[0,1,2]", "mode.branch_factor=2"]),
-    "tempflow": ("flow", ["mode.name=tempflow", "mode.tempflow_candidates=[0,1,2,3]"]),
-    "vlm_grpo": ("vlm", ["tgrpo.enabled=false", "grpo.advantage=group_zscore", "reward_aggregation=weighted_sum"]),
-    "vlm_maxrl": ("vlm", ["tgrpo.enabled=false"]),
-    "vlm_tgrpo": ("vlm", ["tgrpo.enabled=true"]),
-}
-"""variant -> (demo, overrides of the demo preset). Every flow variant keeps the demo's rewards, group, lr and
-shared initial noise; only the rollout mode changes, each with its published defaults (Flow-GRPO trains the first
-90% of the steps, DanceGRPO a random 60% per sample). vlm_maxrl is the VLM demo preset (MaxRL advantages per
-reward); vlm_grpo swaps them for GRPO's z-score of the weighted sum; vlm_tgrpo adds T-GRPO's temporal bonus reward
-to the preset."""
+PRESET_DIR = "configs/learning"
+"""Where the presets are, relative to the repository root; ``<name>.yaml`` each."""
+PRESETS = ("flow_grpo", "dance_grpo", "mixgrpo", "mixgrpo_flash", "branch", "tempflow",
+           "vlm_grpo", "vlm_maxrl", "vlm_tgrpo")
+"""Every preset of ``PRESET_DIR``, in the order the bench runs them (the flow ones first)."""
 
 
-def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, Any]:
-    """Train one variant for ``budget_minutes`` of training time; return its row (curve included)."""
+def run_preset(name: str, output_dir: str) -> dict[str, Any]:
+    """Train preset ``name`` for its pipeline's budget of training time; return its row (curve included)."""
     from mmgrpo.config import load_config
     from mmgrpo.demo import DEMOS, HONESTY_MEASURES, REPO, evaluate, fit_schedule_to_budget
     from mmgrpo.trainer import Trainer
 
-    which, overrides = VARIANTS[name]
-    spec = DEMOS[which]
     # The preset's lr schedule, with a horizon no run reaches: a decaying one is re-planned at each mark to end
-    # where the budget is projected to (the variants' steps differ in cost), as the demo does.
+    # where the budget is projected to (the presets' steps differ in cost), as the demo does.
     # num_threads=0: the thread count ``mmgrpo bench --threads`` set (and recorded), not the preset's.
     # No checkpoints: the run folder is temporary, and saving would count as training time.
-    base = [f"output_dir={output_dir}", "resume=null", "train.eval_every=0", "train.save_every=0",
-            "train.max_steps=100000", "logging.progress=false",
-            *spec.overrides, *overrides, "num_threads=0"]
-    cfg = load_config(REPO / spec.preset, base)
-    if which == "vlm" and cfg.tgrpo.enabled:
-        rewards = [{"name": r.name, "weight": r.weight, "args": dict(r.args)} for r in cfg.rewards]
-        cfg = load_config(REPO / spec.preset, [*base, f"rewards={json.dumps([*rewards, TEMPORAL_BONUS])}"])
+    cfg = load_config(REPO / PRESET_DIR / f"{name}.yaml",
+                      [f"output_dir={output_dir}", "resume=null", "train.eval_every=0", "train.save_every=0",
+                       "train.max_steps=100000", "logging.progress=false", "num_threads=0"])
+    which = cfg.pipeline
+    spec = DEMOS[which]
+    budget_minutes = BUDGET_MINUTES[which]
     trainer = Trainer(cfg)
     flow = which == "flow"
     items = trainer.eval_items
@@ -93,7 +77,7 @@ def run_variant(name: str, output_dir: str, budget_minutes: float) -> dict[str, 
         return done
 
     trainer.train(should_stop=should_stop)
-    row = {"variant": name, "pipeline": which, "metric": spec.metric, "before": before[spec.metric],
+    row = {"preset": name, "pipeline": which, "metric": spec.metric, "before": before[spec.metric],
            "after": last[spec.metric], "train_minutes": clock["train_s"] / 60, "steps": clock["steps"],
            "curve": curve}
     for key in HONESTY_MEASURES:
@@ -107,21 +91,21 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float:
     return next((minutes for minutes, acc in curve if acc >= target), math.nan)
 
 
-def learning(variants: tuple[str, ...] = tuple(VARIANTS)) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Every variant in turn; see the module notes for the figures."""
+def learning(presets: tuple[str, ...] = PRESETS) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Every preset in turn; see the module notes for the figures."""
     from mmgrpo.demo import in_repo
 
     rows = []
-    for name in variants:
+    for name in presets:
         with tempfile.TemporaryDirectory(prefix=f"mmgrpo-learning-{name}-") as tmp, in_repo():
             torch.manual_seed(0)
-            rows.append(run_variant(name, tmp, BUDGET_MINUTES[VARIANTS[name][0]]))
+            rows.append(run_preset(name, tmp))
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "curve"}), flush=True)
-    by_name = {r["variant"]: r for r in rows}
+    by_name = {r["preset"]: r for r in rows}
     figures: dict[str, float] = {}
     for r in rows:
-        figures.update({f"{r['variant']}/before": r["before"], f"{r['variant']}/after": r["after"],
-                        f"{r['variant']}/minutes": r["train_minutes"]})
+        figures.update({f"{r['preset']}/before": r["before"], f"{r['preset']}/after": r["after"],
+                        f"{r['preset']}/minutes": r["train_minutes"]})
     if "flow_grpo" in by_name:
         reference = by_name["flow_grpo"]
         for name in ("mixgrpo", "mixgrpo_flash"):

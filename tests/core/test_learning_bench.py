@@ -1,4 +1,5 @@
-"""`mmgrpo bench learning`: every variant is a valid config of its demo preset, and the time-to-target math."""
+"""`mmgrpo bench learning`: every preset is its demo preset with only the algorithm changed, and the
+time-to-target math."""
 
 import json
 import math
@@ -7,19 +8,26 @@ import pytest
 
 from mmgrpo.config import load_config
 from mmgrpo.demo import DEMOS, REPO
-from mmgrpo.learning import VARIANTS, time_to_reach
+from mmgrpo.learning import PRESET_DIR, PRESETS, time_to_reach
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
-def test_every_variant_loads_and_differs_only_in_the_algorithm(name, tmp_path):
-    which, overrides = VARIANTS[name]
-    preset = REPO / DEMOS[which].preset
-    cfg = load_config(preset, [f"output_dir={tmp_path}", *overrides])
-    base = load_config(preset, [f"output_dir={tmp_path}"])
+def test_the_bench_runs_every_preset_of_its_folder():
+    assert sorted(PRESETS) == sorted(p.stem for p in (REPO / PRESET_DIR).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_differs_from_its_demo_preset_only_in_the_algorithm(name, tmp_path):
+    cfg = load_config(REPO / PRESET_DIR / f"{name}.yaml", [f"output_dir={tmp_path}"])
+    base = load_config(REPO / DEMOS[cfg.pipeline].preset, [f"output_dir={tmp_path}"])
     assert cfg.model == base.model and cfg.optim == base.optim and cfg.train == base.train
-    if which == "flow":
-        assert cfg.mode.name == (overrides[0].split("=")[1] if overrides else base.mode.name)
-        assert cfg.rewards == base.rewards
+    assert cfg.data == base.data and cfg.seed == base.seed
+    if cfg.pipeline == "flow":
+        assert cfg.rewards == base.rewards and cfg.grpo == base.grpo and cfg.sampling == base.sampling
+        assert (cfg.mode.name == base.mode.name) == (name == "mixgrpo")
+    else:
+        assert [r for r in cfg.rewards if r.name != "temporal_bonus"] == base.rewards
+        assert cfg.tgrpo.enabled == (name == "vlm_tgrpo")
+        assert any(r.name == "temporal_bonus" for r in cfg.rewards) == cfg.tgrpo.enabled
 
 
 def test_time_to_reach_is_the_first_mark_at_or_above_the_target():
