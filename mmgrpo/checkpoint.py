@@ -17,8 +17,8 @@ FIXED_ON_RESUME = ("pipeline", "seed", "model.", "train.group_size", "train.prom
                    "train.micro_batch_size", "train.updates_per_rollout")
 """Config keys (or prefixes) a resumed run must keep: the weights, sampler and RNG state in the checkpoint were made
 with them. (``optim.*`` may change: the trainer applies it to the restored optimiser and schedule.)"""
-FREE_ON_RESUME = ("resume", "output_dir", "num_threads", "train.max_steps", "train.save_every", "train.eval_every",
-                  "train.keep_last", "logging.")
+FREE_ON_RESUME = ("resume", "output_dir", "num_threads", "train.max_steps", "train.max_minutes", "train.save_every",
+                  "train.eval_every", "train.keep_last", "logging.")
 """Config keys (or prefixes) a resumed run may change without comment. Any other change is allowed with a
 warning."""
 

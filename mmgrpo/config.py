@@ -131,6 +131,12 @@ class TrainConfig:
     """Checkpoints to keep; older ones are deleted after a new one is complete. 0 keeps all."""
     eval_every: int = 0
     """Evaluate on the held-out split every this many optimiser steps; 0 disables in-loop evaluation."""
+    max_minutes: float = 0.0
+    """Wall-clock budget of training in minutes (rollouts, rewards, updates, in-loop evaluation and checkpoints;
+    summed over resumes), checked between iterations; 0: none, max_steps alone ends the run. A decaying lr
+    schedule (cosine, linear, ...) is re-planned to reach its end where the budget is projected to end (at most
+    max_steps), so a slower machine stops with the lr decayed instead of part-way down its schedule. The run
+    still ends at max_steps if that comes first."""
 
 
 @dataclass
@@ -414,6 +420,9 @@ def validate(cfg: BaseConfig) -> None:
     for key in positive:
         if get_key(cfg, key) < 1:
             raise ConfigError(f"bad value for '{key}': must be >= 1, got {get_key(cfg, key)}")
+    if not cfg.train.max_minutes >= 0:  # NaN too
+        raise ConfigError(f"bad value for 'train.max_minutes': must be >= 0 (0: no time budget), got "
+                          f"{cfg.train.max_minutes}")
     if not 0.0 <= cfg.train.ema_decay < 1.0:
         raise ConfigError(f"bad value for 'train.ema_decay': must be in [0, 1), got {cfg.train.ema_decay}")
     if cfg.grpo.clip_eps <= 0 or (cfg.grpo.clip_eps_high is not None and cfg.grpo.clip_eps_high <= 0):

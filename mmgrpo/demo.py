@@ -50,10 +50,6 @@ SAMPLE_QUESTIONS = 8
 DEMO_LIMIT_MINUTES = 15.0
 """Wall-clock limit of a whole demo with its default budget: training stops early enough that the evaluations
 after it still end within this (:func:`training_budget_s`)."""
-REPLAN_TOLERANCE = 0.05
-"""A decaying lr schedule is re-planned to end with the time budget only when the projected end is this far (as a
-fraction) from the planned one: the pace of the first steps is noisy, a machine fast enough for the whole schedule
-keeps it as built, and a schedule that ends 5% late leaves a cosine at 0.6% of its peak."""
 FINISH_SECONDS = 30.0
 """Reserved for what the demo's clock does not see otherwise: loading the reported snapshot and writing the
 report after the last evaluation, and starting Python and importing torch before the clock starts."""
@@ -246,28 +242,6 @@ def training_budget_s(train_minutes: float, elapsed_s: float, held_out_eval_s: f
     return max(0.0, min(60.0 * train_minutes, room))
 
 
-def projected_end(step: int, elapsed_s: float, budget_s: float) -> int:
-    """The optimiser step at which a budget of ``budget_s`` seconds ends, if the steps after ``step`` (reached after
-    ``elapsed_s`` seconds) go at the pace of the ones before."""
-    return step + int((budget_s - elapsed_s) * step / elapsed_s)
-
-
-def fit_schedule_to_budget(trainer: Any, step: int, elapsed_s: float, budget_s: float) -> int | None:
-    """Re-plan the decaying lr schedule of ``trainer`` (at optimiser ``step``, ``elapsed_s`` into a time budget of
-    ``budget_s``) to end where the budget is projected to (:func:`projected_end`, at most ``train.max_steps``),
-    once warm-up is over and when that is more than ``REPLAN_TOLERANCE`` off the plan. Returns the new end step, or
-    None when the plan stays (a constant schedule always keeps it)."""
-    cfg = trainer.cfg
-    if cfg.optim.lr_scheduler.startswith("constant") or step < cfg.optim.warmup_steps:
-        return None
-    end = min(projected_end(step, elapsed_s, budget_s), cfg.train.max_steps)
-    planned = trainer.schedule_warp.planned_end()
-    if end <= step or abs(end - planned) <= REPLAN_TOLERANCE * planned:
-        return None
-    trainer.end_schedule_at(end)
-    return end
-
-
 def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
     """Run one demo end to end and return what demo.json holds. ``minutes`` is the training budget; without it
     the demo's own (``DemoSpec.train_minutes``), cut to end the whole demo within ``DEMO_LIMIT_MINUTES``."""
@@ -342,8 +316,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
             reported.update(step=step, metrics=metrics)
             policy.save(snapshot)
         # the pace so far includes the validation checks, which the rest of the budget has too
-        end = None if out_of_time else fit_schedule_to_budget(trainer, step, time.perf_counter() - train_start,
-                                                               budget_s)
+        end = None if out_of_time else trainer.fit_schedule_to_budget(time.perf_counter() - train_start, budget_s)
         if end is not None:
             bar.write(f"step {step}: the lr schedule now ends at step {end}, where the time budget is projected "
                       "to end")

@@ -39,7 +39,7 @@ PRESETS = ("flow_grpo", "dance_grpo", "mixgrpo", "mixgrpo_flash", "branch", "tem
 def run_preset(name: str, output_dir: str) -> dict[str, Any]:
     """Train preset ``name`` for its pipeline's budget of training time; return its row (curve included)."""
     from mmgrpo.config import load_config
-    from mmgrpo.demo import DEMOS, HONESTY_MEASURES, REPO, evaluate, fit_schedule_to_budget
+    from mmgrpo.demo import DEMOS, HONESTY_MEASURES, REPO, evaluate
     from mmgrpo.trainer import Trainer
 
     # The preset's lr schedule, with a horizon no run reaches: a decaying one is re-planned at each mark to end
@@ -72,7 +72,7 @@ def run_preset(name: str, output_dir: str) -> dict[str, Any]:
             curve.append((clock["train_s"] / 60, metrics[spec.metric]))
             last.update(metrics)
             if not done:
-                fit_schedule_to_budget(trainer, step, clock["train_s"], marks[-1])
+                trainer.fit_schedule_to_budget(clock["train_s"], marks[-1])
         clock["since"] = time.perf_counter()
         return done
 

@@ -5,7 +5,7 @@ A transformers schedule (cosine, linear, ...) is a function of the optimiser ste
 decaying schedule is cut off part-way (a slow machine stops with the lr still high). :class:`ScheduleWarp` maps
 optimiser steps onto the schedule's own step axis so that the rest of the schedule, from the current step on, is
 stretched or squeezed to end at another step: the lr is continuous at the re-planning step, and the shape of the
-schedule (warm-up, decay) is kept.
+schedule (warm-up, decay) is kept. :func:`replanned_end` decides where to end it, from the pace so far.
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ from dataclasses import asdict, dataclass
 from functools import partial
 
 from torch.optim.lr_scheduler import LambdaLR
+
+REPLAN_TOLERANCE = 0.05
+"""A schedule is re-planned only when the projected end is this far (as a fraction) from the planned one: the pace
+of the first steps is noisy, a machine fast enough for the whole schedule keeps it as built, and a schedule that
+ends 5% late leaves a cosine at 0.6% of its peak."""
 
 
 @dataclass
@@ -67,3 +72,19 @@ def warp_schedule(schedule: LambdaLR, horizon: int) -> ScheduleWarp:
     warp = ScheduleWarp(float(horizon))
     schedule.lr_lambdas = [partial(_warped, fn, warp) for fn in schedule.lr_lambdas]
     return warp
+
+
+def projected_end(step: int, elapsed_s: float, budget_s: float) -> int:
+    """The optimiser step at which a budget of ``budget_s`` seconds ends, if the steps after ``step`` (reached after
+    ``elapsed_s`` seconds) go at the pace of the ones before."""
+    return step + int((budget_s - elapsed_s) * step / elapsed_s)
+
+
+def replanned_end(step: int, elapsed_s: float, budget_s: float, planned_end: float, max_steps: int) -> int | None:
+    """Where a decaying schedule at optimiser ``step``, ``elapsed_s`` into a time budget of ``budget_s``, should now
+    end: the projected end of the budget (:func:`projected_end`, at most ``max_steps``), or None to keep
+    ``planned_end`` (the projection is within ``REPLAN_TOLERANCE`` of it, or the budget is spent)."""
+    end = min(projected_end(step, elapsed_s, budget_s), max_steps)
+    if end <= step or abs(end - planned_end) <= REPLAN_TOLERANCE * planned_end:
+        return None
+    return end

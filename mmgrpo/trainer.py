@@ -53,11 +53,13 @@ from mmgrpo.policy import (
 )
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
-from mmgrpo.schedule import warp_schedule
+from mmgrpo.schedule import projected_end, replanned_end, warp_schedule
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
 
 SILENT_REWARD_ROLLOUTS = 10
 """Rollouts after which a reward that has given every sample the same score is reported (once per run)."""
+REPLAN_EVERY = 0.05
+"""With ``train.max_minutes``, the lr schedule is fitted to the time budget at every this fraction of it."""
 
 
 def make_accelerator(cfg: BaseConfig) -> Accelerator:
@@ -123,6 +125,10 @@ class Trainer:
         self.rollouts_scored = 0
         self.rewards_varied = torch.zeros(len(self.rewards.names), dtype=torch.bool)
         """(R,) bool: whether each reward has scored two samples differently in this process's run."""
+        self.train_seconds = 0.0
+        """Wall-clock seconds spent in training iterations, summed over resumes (``train.max_minutes``)."""
+        self._replan_mark = 0
+        """The last ``REPLAN_EVERY`` mark of the time budget at which the lr schedule was fitted to it."""
         self.interrupted: str | None = None
         """The signal (SIGINT, SIGTERM) that ended :meth:`train` early, after saving a checkpoint; None otherwise."""
 
@@ -155,7 +161,8 @@ class Trainer:
         final = tmp.parent / f"step-{self.step}"
         if acc.is_main_process:
             state = {"step": self.step, "iteration": self.iteration, "sampler": self.sampler.state_dict(),
-                     "num_processes": acc.num_processes, "schedule_warp": self.schedule_warp.state_dict()}
+                     "num_processes": acc.num_processes, "schedule_warp": self.schedule_warp.state_dict(),
+                     "train_seconds": self.train_seconds}
             (tmp / checkpoint.CONFIG_FILE).write_text(to_yaml(self.cfg))
             final = checkpoint.finalize(tmp, state)
             checkpoint.prune(self.run_dir, self.cfg.train.keep_last)
@@ -181,6 +188,7 @@ class Trainer:
             raise ConfigError(f"bad value for 'resume': checkpoint {path} cannot be read ({type(err).__name__}: "
                               f"{first}){hint}") from err
         self.step, self.iteration = state["step"], state["iteration"]
+        self.train_seconds = state.get("train_seconds", 0.0)  # none in checkpoints from before train.max_minutes
         self.sampler.load_state_dict(state["sampler"])
         warp = state.get("schedule_warp")  # none in checkpoints from before re-planning
         if warp is not None and warp["horizon"] == self.cfg.train.max_steps:  # else: a new horizon, as built
@@ -192,6 +200,20 @@ class Trainer:
         (at most ``train.max_steps``): for a run bounded by wall-clock time, whose caller projects where its
         budget ends. The lr is continuous; a constant schedule does not change. Saved in checkpoints."""
         self.schedule_warp.replan(self.step, min(step, self.cfg.train.max_steps))
+
+    def fit_schedule_to_budget(self, elapsed_s: float, budget_s: float) -> int | None:
+        """Re-plan a decaying lr schedule, at the current step ``elapsed_s`` into a time budget of ``budget_s``
+        seconds, to end where the budget is projected to end (``schedule.replanned_end``: only when that is more
+        than ``REPLAN_TOLERANCE`` off the plan), once warm-up is over. Returns the new end step, or None when the
+        plan stays (a constant schedule always keeps it). Pass the same numbers on every process."""
+        o = self.cfg.optim
+        if o.lr_scheduler.startswith("constant") or self.step < max(1, o.warmup_steps) or elapsed_s <= 0:
+            return None
+        end = replanned_end(self.step, elapsed_s, budget_s, self.schedule_warp.planned_end(),
+                            self.cfg.train.max_steps)
+        if end is not None:
+            self.end_schedule_at(end)
+        return end
 
     def apply_optim_config(self) -> None:
         """Make the restored optimiser and LR schedule follow ``optim.*`` of this run: AdamW's betas, eps and weight
@@ -482,11 +504,44 @@ class Trainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
+    def _max_on_processes(self, value: float) -> float:
+        """The largest ``value`` over the processes (every process gets the same answer)."""
+        if self.accelerator.num_processes == 1:
+            return value
+        return self.accelerator.gather(torch.tensor([float(value)], device=self.accelerator.device)).max().item()
+
     def _on_any_process(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any process (every process gets the same answer)."""
-        if self.accelerator.num_processes == 1:
-            return flag
-        return bool(self.accelerator.gather(torch.tensor([float(flag)], device=self.accelerator.device)).max() > 0)
+        return self._max_on_processes(float(flag)) > 0
+
+    def _budget_spent(self, seconds: float) -> bool:
+        """Whether ``seconds`` of training (on the slowest process) reach the ``train.max_minutes`` budget; False
+        without one. The same answer on every process."""
+        budget_s = 60.0 * self.cfg.train.max_minutes
+        return bool(budget_s) and self._max_on_processes(seconds) >= budget_s
+
+    def _out_of_time(self, bar: tqdm) -> bool:
+        """Whether the ``train.max_minutes`` budget is spent (False without one), the same answer on every process.
+        Until it is, at every ``REPLAN_EVERY`` of the budget, fit a decaying lr schedule to end with it; the
+        progress bar's total is the step where the budget is projected to end."""
+        budget_s = 60.0 * self.cfg.train.max_minutes
+        if not budget_s:
+            return False
+        elapsed = self._max_on_processes(self.train_seconds)  # the slowest process's clock decides for all
+        if elapsed >= budget_s:
+            return True
+        if self.step == 0 or elapsed <= 0:  # no pace to project from yet
+            return False
+        mark = int(elapsed / (REPLAN_EVERY * budget_s))
+        if mark > self._replan_mark:
+            self._replan_mark = mark
+            end = self.fit_schedule_to_budget(elapsed, budget_s)
+            if end is not None:
+                bar.write(f"step {self.step}: the lr schedule now ends at step {end}, where the time budget of "
+                          f"{self.cfg.train.max_minutes:g} minutes is projected to end")
+        bar.total = min(self.cfg.train.max_steps, max(self.step + 1, projected_end(self.step, elapsed, budget_s)))
+        bar.refresh()
+        return False
 
     def train(self, should_stop: Callable[[int, dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
         """Run to ``train.max_steps``, or until ``should_stop(step, last_row)`` returns True after an iteration
@@ -518,8 +573,11 @@ class Trainer:
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (cfg.logging.progress and acc.is_main_process))
         last_saved = self.step if resume_from else None
+        budget_s = 60.0 * cfg.train.max_minutes  # a resumed run re-plans from the next mark it has not passed
+        self._replan_mark = int(self.train_seconds / (REPLAN_EVERY * budget_s)) if budget_s else 0
+        out_of_time = False
         with self._stop_on_signals() as asked, closing(bar):
-            while self.step < cfg.train.max_steps:
+            while self.step < cfg.train.max_steps and not (out_of_time := self._out_of_time(bar)):
                 t0 = time.perf_counter()
                 items_idx, group_ids = self.sampler.next()
                 items = [self.train_items[i] for i in items_idx]
@@ -537,9 +595,10 @@ class Trainer:
                 iteration_metrics.update(rollout.counters)  # after training, which may add to them
                 t3 = time.perf_counter()
                 self.iteration += 1
+                # the last iteration (by steps, or by the time budget) ends with an evaluation too
+                last = self.step >= cfg.train.max_steps or self._budget_spent(self.train_seconds + t3 - t0)
                 every = cfg.train.eval_every
-                if every and (self.step // every != (self.step - len(rows)) // every
-                              or self.step >= cfg.train.max_steps):
+                if every and (self.step // every != (self.step - len(rows)) // every or last):
                     rows[-1].update(self.evaluate())
                 for i, row in enumerate(rows):
                     row.update(iteration_metrics)
@@ -547,9 +606,12 @@ class Trainer:
                                 "iteration": self.iteration})
                     rows[i] = self.reduce_metrics(row)
                 self._emit(rows, log, bar)
+                self.train_seconds += time.perf_counter() - t0
                 every = cfg.train.save_every
                 if every and self.step // every != (self.step - len(rows)) // every:
+                    t4 = time.perf_counter()
                     self.save_checkpoint()
+                    self.train_seconds += time.perf_counter() - t4
                     last_saved = self.step
                 if self._on_any_process(asked["signal"] is not None):
                     self.interrupted = asked["signal"] or "a signal to another process"
@@ -558,6 +620,9 @@ class Trainer:
                     break
             if last_saved != self.step:
                 self.save_checkpoint()
+        if out_of_time:
+            acc.print(f"time budget of {cfg.train.max_minutes:g} minutes (train.max_minutes) reached at step "
+                      f"{self.step}; the lr schedule ended at step {self.schedule_warp.planned_end():.0f}")
         if self.interrupted:
             acc.print(f"stopped by {self.interrupted} at step {self.step}: saved {self.run_dir / 'checkpoints'}/"
                       f"step-{self.step}; resume=latest continues the run")

@@ -79,32 +79,6 @@ def test_training_budget_leaves_room_for_the_evaluations_after_training():
     assert demo.training_budget_s(14.0, elapsed_s=limit_s, held_out_eval_s=90.0, val_eval_s=30.0) == 0.0
 
 
-def test_projected_end_assumes_the_pace_so_far():
-    assert demo.projected_end(100, 60.0, 840.0) == 1400  # 0.6 s per step, 780 s left: 1,300 more steps
-    assert demo.projected_end(300, 290.0, 300.0) == 310
-    assert demo.projected_end(1, 0.5, 0.5) == 1
-
-
-@pytest.mark.parametrize("scheduler, step, elapsed_s, replanned_to", [
-    ("cosine", 40, 20.0, 80),  # 0.5 s per step, 20 s of the 40 left: squeezed to end at step 80
-    ("cosine", 40, 16.4, None),  # projected 97, within 5% of the planned 100: kept
-    ("cosine", 4, 2.0, None),  # still in warm-up: kept
-    ("constant_with_warmup", 40, 20.0, None),  # nothing to re-plan
-])
-def test_a_decaying_schedule_is_fitted_to_the_budget_only_when_far_off(tmp_path, scheduler, step, elapsed_s,
-                                                                       replanned_to):
-    from toy_bandit import ToyConfig
-
-    from mmgrpo.config import load_config
-    from mmgrpo.trainer import Trainer
-
-    trainer = Trainer(load_config(None, [f"output_dir={tmp_path}", "train.max_steps=100", "optim.warmup_steps=5",
-                                         f"optim.lr_scheduler={scheduler}"], schema=ToyConfig))
-    trainer.step = step
-    assert demo.fit_schedule_to_budget(trainer, step, elapsed_s, 40.0) == replanned_to
-    assert trainer.schedule_warp.planned_end() == (replanned_to or 100)
-
-
 def test_vlm_validation_questions_are_unseen_in_training_and_held_out():
     data = demo.REPO / "assets" / "data" / "shapes_qa"
     spec = demo.DEMOS["vlm"]

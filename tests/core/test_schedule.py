@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import get_scheduler
 
-from mmgrpo.schedule import ScheduleWarp, warp_schedule
+from mmgrpo.schedule import REPLAN_TOLERANCE, ScheduleWarp, projected_end, replanned_end, warp_schedule
 
 
 def _schedule(name: str, horizon: int, warmup: int = 0):
@@ -71,3 +71,25 @@ def test_the_warp_state_round_trips():
     restored.load_state_dict(warp.state_dict())
     assert [restored(s) for s in range(0, 120, 7)] == [warp(s) for s in range(0, 120, 7)]
     assert restored.planned_end() == 80.0
+
+
+def test_projected_end_assumes_the_pace_so_far():
+    assert projected_end(100, 60.0, 840.0) == 1400  # 0.6 s per step, 780 s left: 1,300 more steps
+    assert projected_end(300, 290.0, 300.0) == 310
+    assert projected_end(1, 0.5, 0.5) == 1
+
+
+def test_replanned_end_moves_the_plan_only_when_far_off():
+    assert replanned_end(40, 20.0, 40.0, planned_end=100, max_steps=100) == 80
+    assert replanned_end(40, 16.4, 40.0, planned_end=100, max_steps=100) is None  # projected 97: within 5%
+    assert replanned_end(40, 10.0, 40.0, planned_end=80, max_steps=100) == 100  # projected 160: capped
+    assert replanned_end(40, 40.0, 40.0, planned_end=100, max_steps=100) is None  # the budget is spent
+
+
+@given(step=st.integers(1, 10_000), elapsed_s=st.floats(1e-3, 1e4), budget_s=st.floats(1e-3, 1e4),
+       planned_end=st.integers(1, 20_000), max_steps=st.integers(1, 20_000))
+def test_a_replanned_end_is_ahead_within_the_horizon_and_off_the_plan(step, elapsed_s, budget_s, planned_end,
+                                                                      max_steps):
+    end = replanned_end(step, elapsed_s, budget_s, planned_end, max_steps)
+    if end is not None:
+        assert step < end <= max_steps and abs(end - planned_end) > REPLAN_TOLERANCE * planned_end

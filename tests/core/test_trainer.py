@@ -171,6 +171,46 @@ def test_a_replanned_schedule_ends_there_and_survives_a_resume(tmp_path):
         0.05 * (1 + math.cos(math.pi * 7 / 20)), abs=1e-12)
 
 
+@pytest.mark.parametrize("scheduler, step, elapsed_s, replanned_to", [
+    ("cosine", 40, 20.0, 80),  # 0.5 s per step, 20 s of the 40 left: squeezed to end at step 80
+    ("cosine", 40, 16.4, None),  # projected 97, within 5% of the planned 100: kept
+    ("cosine", 4, 2.0, None),  # still in warm-up: kept
+    ("constant_with_warmup", 40, 20.0, None),  # nothing to re-plan
+])
+def test_a_decaying_schedule_is_fitted_to_the_budget_only_when_far_off(tmp_path, scheduler, step, elapsed_s,
+                                                                       replanned_to):
+    trainer = Trainer(toy(tmp_path, "train.max_steps=100", "optim.warmup_steps=5",
+                          f"optim.lr_scheduler={scheduler}"))
+    trainer.step = step
+    assert trainer.fit_schedule_to_budget(elapsed_s, 40.0) == replanned_to
+    assert trainer.schedule_warp.planned_end() == (replanned_to or 100)
+
+
+def test_a_time_budget_ends_the_run_with_its_schedule_decayed_and_holds_across_a_resume(tmp_path):
+    """train.max_minutes=0.01 (0.6 s) over rollouts of at least 0.05 s: the run stops long before max_steps, the
+    cosine over 1,000 steps was re-planned to end near there (without it the last lr would be 99.9% of the peak),
+    and the last step was evaluated. Resumed with the same budget, nothing is left; with twice the budget, it
+    goes on, counting the first run's time."""
+    base = ["train.max_steps=1000", "train.save_every=0", "optim.lr_scheduler=cosine", "optim.lr=0.1",
+            "toy.sleep_s=0.05", "train.eval_every=1000"]
+    trainer = Trainer(toy(tmp_path, *base, "train.max_minutes=0.01"))
+    history = trainer.train()
+    stopped = trainer.step
+    assert 1 <= stopped < 1000 and history[-1]["step"] == stopped and trainer.train_seconds >= 0.6
+    assert trainer.schedule_warp.planned_end() < 1000 and history[-1]["lr"] < 0.05, history[-1]["lr"]
+    assert "eval/toy_bandit:match_reward/mean" in history[-1]
+    resumed = Trainer(toy(tmp_path, *base, "train.max_minutes=0.01", "resume=latest"))
+    assert len(resumed.train()) == stopped and resumed.step == stopped
+    longer = Trainer(toy(tmp_path, *base, "train.max_minutes=0.02", "resume=latest"))
+    longer.train()
+    assert stopped < longer.step < 1000 and longer.train_seconds >= 1.2
+
+
+def test_a_negative_time_budget_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="bad value for 'train.max_minutes': must be >= 0"):
+        toy(tmp_path, "train.max_minutes=-1")
+
+
 def test_a_reward_that_never_varies_is_reported_once(tmp_path):
     rewards = json.dumps([{"name": "toy_bandit:match_reward"}, {"name": "toy_bandit:constant_reward"}])
     trainer = Trainer(toy(tmp_path, "train.max_steps=12", "train.save_every=0", f"rewards={rewards}"))
@@ -244,6 +284,9 @@ def test_two_processes_gather_whole_groups_and_stay_in_sync(tmp_path, support_en
     assert result["param_rank_diff"] == 0.0 and result["param_change"] > 0
     assert result["distinct_groups"] == 4 and result["groups_per_rank"] == [2, 2]
     assert result["reduced"] == {"loss": 0.5, "only/rank0": 1.0, "only/rank1": 1.0, "ratio/max_dev": 0.1}
+    budget = result["time_budget"]  # rank 1 is slower: its clock ends the run for both
+    assert budget["steps"][0] == budget["steps"][1] and 1 <= budget["steps"][0] < 1000, budget
+    assert budget["param_rank_diff"] == 0.0
 
 
 def test_in_loop_evaluation_logs_heldout_scores_and_samples(tmp_path):

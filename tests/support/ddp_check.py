@@ -1,5 +1,6 @@
 """Run under ``accelerate launch --multi_gpu --num_processes 2``: checks that advantages on gathered groups equal
-the one-process computation, and that one optimiser step leaves identical parameters on every rank.
+the one-process computation, that one optimiser step leaves identical parameters on every rank, and that a time
+budget (``train.max_minutes``) stops every rank at the same step.
 
 Usage: ddp_check.py OUT.json RUN_DIR
 """
@@ -62,6 +63,22 @@ if acc.is_main_process:
     with open(out_path) as f:
         summary = json.load(f)
     summary["reduced"] = reduced
+    with open(out_path, "w") as f:
+        json.dump(summary, f)
+acc.wait_for_everyone()
+
+# a time budget: rank 1's rollouts take twice as long, and its clock must stop both at the same step
+trainer.cfg.train.max_minutes = 0.01
+trainer.cfg.train.save_every = 0
+trainer.cfg.train.max_steps = 1000
+trainer.cfg.toy.sleep_s = 0.05 * (1 + acc.process_index)
+trainer.train()
+steps = acc.gather(torch.tensor([trainer.step])).cpu()
+params = acc.gather(torch.cat([p.detach().flatten() for p in acc.unwrap_model(trainer.policy.model).parameters()])[None])
+if acc.is_main_process:
+    with open(out_path) as f:
+        summary = json.load(f)
+    summary["time_budget"] = {"steps": steps.tolist(), "param_rank_diff": (params[0] - params[1]).abs().max().item()}
     with open(out_path, "w") as f:
         json.dump(summary, f)
 acc.wait_for_everyone()
