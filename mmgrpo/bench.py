@@ -7,6 +7,7 @@ fix the thread count, which :func:`machine_info` records in the output.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -56,17 +57,23 @@ def finite_or_null(obj: Any) -> Any:
     return obj
 
 
-def run_bench(name: str, out: str | None, threads: int | None = None) -> dict[str, Any]:
+def run_bench(name: str, out: str | None, threads: int | None = None,
+              only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Run suite ``name`` with a fixed thread count (the caller's is restored after), print its table, and write
-    the JSON contract ``{"bench", "machine", "rows", "figures"}`` to ``out`` when given."""
+    the JSON contract ``{"bench", "machine", "rows", "figures"}`` to ``out`` when given. ``only``: the cases to
+    run, for a suite that takes a selection as its argument (``learning``: preset names); ValueError for another."""
     from rich.console import Console
     from rich.table import Table
 
+    suite = BENCHES.get(name)
+    if only and not inspect.signature(suite).parameters:
+        raise ValueError(f"benchmark '{name}' always runs all its cases; --only is for a suite that selects "
+                         "(learning)")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
         machine = machine_info()
-        rows, figures = BENCHES.get(name)()
+        rows, figures = suite(only) if only else suite()
     finally:
         torch.set_num_threads(previous)
     result = {"bench": name, "machine": machine, "rows": rows, "figures": figures}

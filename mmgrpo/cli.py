@@ -160,7 +160,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         known = ", ".join(BENCHES.names()) or "none yet"
         print(f"unknown benchmark '{args.name}' (available: {known})", file=sys.stderr)
         return 2
-    run_bench(args.name, args.out, threads=args.threads)
+    only = tuple(filter(None, args.only.split(","))) if args.only else None
+    try:
+        run_bench(args.name, args.out, threads=args.threads, only=only)
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
     return 0
 
 
@@ -231,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the result JSON here")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads, recorded in the output (default 1: "
                    "on a small shared CPU, more threads wait on each other and make ratios erratic)")
+    p.add_argument("--only", help="comma-separated cases to run instead of all, for a suite that selects: "
+                   "learning takes preset names of configs/learning/ (e.g. flow_grpo,mixgrpo)")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("serve-rewards", help="serve the rewards of a YAML config over HTTP (for the remote reward)")

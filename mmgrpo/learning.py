@@ -92,8 +92,13 @@ def time_to_reach(curve: list[tuple[float, float]], target: float) -> float:
 
 
 def learning(presets: tuple[str, ...] = PRESETS) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Every preset in turn; see the module notes for the figures."""
+    """Every preset in turn; see the module notes for the figures. ValueError for a name not in ``PRESETS``,
+    before anything runs."""
     from mmgrpo.demo import in_repo
+
+    unknown = [name for name in presets if name not in PRESETS]
+    if unknown:
+        raise ValueError(f"unknown learning preset '{unknown[0]}' (available: {', '.join(PRESETS)})")
 
     rows = []
     for name in presets:

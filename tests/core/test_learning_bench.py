@@ -40,6 +40,7 @@ def test_time_to_reach_is_the_first_mark_at_or_above_the_target():
 def test_bench_json_is_strict(tmp_path, monkeypatch):
     from mmgrpo.bench import BENCHES, run_bench
 
+    BENCHES.names()  # load the built-in suites first, so that the patched copy (restored after) holds them
     monkeypatch.setattr(BENCHES, "_entries", dict(BENCHES._entries))
     BENCHES.register("nan_suite", lambda: ([{"case": "a", "ratio": math.nan}], {"never_reached": math.inf, "x": 1.5}))
     run_bench("nan_suite", str(tmp_path / "B.json"))
@@ -49,3 +50,14 @@ def test_bench_json_is_strict(tmp_path, monkeypatch):
 
     saved = json.loads((tmp_path / "B.json").read_text(), parse_constant=reject)
     assert saved["rows"] == [{"case": "a", "ratio": None}] and saved["figures"] == {"never_reached": None, "x": 1.5}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "learning", "--only", "mixgrpo,nosuch"], "unknown learning preset 'nosuch' (available: flow_grpo, "),
+    (["bench", "rewards", "--only", "clip_score"], "benchmark 'rewards' always runs all its cases"),
+])
+def test_a_bad_bench_selection_exits_2_before_running(argv, message, capsys):
+    from mmgrpo.cli import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.startswith(message)
