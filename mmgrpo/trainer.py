@@ -514,17 +514,21 @@ class Trainer:
         """Whether ``flag`` is set on any process (every process gets the same answer)."""
         return self._max_on_processes(float(flag)) > 0
 
+    @property
+    def budget_s(self) -> float:
+        """The ``train.max_minutes`` budget in seconds; 0: none."""
+        return 60.0 * self.cfg.train.max_minutes
+
     def _budget_spent(self, seconds: float) -> bool:
         """Whether ``seconds`` of training (on the slowest process) reach the ``train.max_minutes`` budget; False
         without one. The same answer on every process."""
-        budget_s = 60.0 * self.cfg.train.max_minutes
-        return bool(budget_s) and self._max_on_processes(seconds) >= budget_s
+        return bool(self.budget_s) and self._max_on_processes(seconds) >= self.budget_s
 
     def _out_of_time(self, bar: tqdm) -> bool:
         """Whether the ``train.max_minutes`` budget is spent (False without one), the same answer on every process.
         Until it is, at every ``REPLAN_EVERY`` of the budget, fit a decaying lr schedule to end with it; the
         progress bar's total is the step where the budget is projected to end."""
-        budget_s = 60.0 * self.cfg.train.max_minutes
+        budget_s = self.budget_s
         if not budget_s:
             return False
         elapsed = self._max_on_processes(self.train_seconds)  # the slowest process's clock decides for all
@@ -573,8 +577,8 @@ class Trainer:
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (cfg.logging.progress and acc.is_main_process))
         last_saved = self.step if resume_from else None
-        budget_s = 60.0 * cfg.train.max_minutes  # a resumed run re-plans from the next mark it has not passed
-        self._replan_mark = int(self.train_seconds / (REPLAN_EVERY * budget_s)) if budget_s else 0
+        # a resumed run re-plans from the next mark it has not passed
+        self._replan_mark = int(self.train_seconds / (REPLAN_EVERY * self.budget_s)) if self.budget_s else 0
         out_of_time = False
         with self._stop_on_signals() as asked, closing(bar):
             while self.step < cfg.train.max_steps and not (out_of_time := self._out_of_time(bar)):
