@@ -94,7 +94,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     from rich.table import Column, Table
     from rich.text import Text
 
-    from mmgrpo.config import key_docs, to_dict
+    from mmgrpo.config import key_docs, key_ranges, to_dict
     from mmgrpo.registry import PIPELINES
 
     if not Path(args.config).exists() and args.config in PIPELINES:  # a pipeline name: its defaults
@@ -106,6 +106,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         schema, values, title = type(cfg), to_dict(cfg), f"{args.config} ({cfg.pipeline} pipeline)"
     docs = key_docs(schema)
+    docs.update({key: f"{docs[key]} Must be {allowed}." for key, allowed in key_ranges(schema).items()})
     needle = (args.grep or "").lower()
     table = Table(Column("key", no_wrap=True), Column("value", overflow="fold"), Column("what it is", ratio=1),
                   title=title)

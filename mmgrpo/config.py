@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -36,6 +37,54 @@ def cwd_hint(path: str | os.PathLike) -> str:
             "relative to the repository root, so run from there or give an absolute path)")
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key may take: ``low`` <= value <= ``high``, strict at an ``open`` end; None is
+    unbounded. NaN is in no range."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` lies in the range."""
+        if math.isnan(value):
+            return False
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+def ranged(default: Any = dataclasses.MISSING, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False, high_open: bool = False, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field whose value (every item, for a list) must lie in ``Range(low, high, low_open,
+    high_open)``; :func:`validate` checks it when a config loads, and ``mmgrpo config`` shows it. None, the
+    unset value of an optional key, always passes."""
+    return field(default=default, default_factory=default_factory,
+                 metadata={"range": Range(low, high, low_open, high_open)})
+
+
+def key_ranges(schema: type, prefix: str = "") -> dict[str, Range]:
+    """Dotted key -> :class:`Range` for every field of a config dataclass (nested sections included) declared
+    with :func:`ranged`."""
+    hints = typing.get_type_hints(schema)
+    ranges: dict[str, Range] = {}
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(hints[f.name]):
+            ranges.update(key_ranges(hints[f.name], f"{prefix}{f.name}."))
+        elif "range" in f.metadata:
+            ranges[f"{prefix}{f.name}"] = f.metadata["range"]
+    return ranges
+
+
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
                  "inverse_sqrt")
 """The transformers schedules that are a function of the optimiser step alone (the trainer steps them once per
@@ -47,20 +96,20 @@ min-lr and warmup-stable-decay ones arguments this config does not carry."""
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
-    lr: float = 1e-4
+    lr: float = ranged(1e-4, low=0)
     """Peak learning rate."""
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, low=0)
     """AdamW decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = ranged(default_factory=lambda: [0.9, 0.999], low=0, high=1, high_open=True)
     """AdamW (beta1, beta2)."""
-    eps: float = 1e-8
+    eps: float = ranged(1e-8, low=0, low_open=True)
     """AdamW epsilon."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = ranged(1.0, low=0)
     """Clip the global gradient norm to this value before each optimiser step; 0 disables clipping."""
     lr_scheduler: str = "constant_with_warmup"
     """A transformers schedule over the run's optimiser steps, one of ``LR_SCHEDULERS``: constant,
     constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial or inverse_sqrt."""
-    warmup_steps: int = 0
+    warmup_steps: int = ranged(0, low=0)
     """Optimiser steps of linear warm-up."""
 
 
@@ -72,21 +121,21 @@ class GRPOConfig:
     """Advantage estimator (registry ``ADVANTAGES``): group_zscore, group_mean (Dr. GRPO), group_mean_batch_std
     (Flow-GRPO: per-group mean, std over the whole gathered batch), rloo (leave-one-out), max_rl ((r - mean) /
     mean: maximum likelihood of success, for rewards >= 0), or ``module:attr``."""
-    adv_eps: float = 1e-6
+    adv_eps: float = ranged(1e-6, low=0)
     """Added to the std in the denominator of the normalising estimators. Flow-GRPO uses 1e-4."""
     adv_batch_norm: bool = False
     """Z-score the combined advantages over the whole gathered batch (before adv_clip), so their range does not
     grow with the number of rewards: the last step of GDPO as published (with ``reward_aggregation: gdpo``)."""
-    adv_clip: float = 0.0
+    adv_clip: float = ranged(0.0, low=0)
     """Clamp advantages to [-adv_clip, adv_clip]; 0 disables. Flow-GRPO uses 5."""
     mask_zero_std_groups: bool = False
     """Dynamic sampling: groups that carry no signal are left out of the loss: the weighted sum of their rewards
     does not vary (``reward_aggregation: weighted_sum``), or none of their weighted rewards varies (``gdpo``)."""
     loss: str = "ppo_clip"
     """Policy loss (registry ``POLICY_LOSSES``): ppo_clip (clipped surrogate) or reinforce (unclipped ratio * A)."""
-    clip_eps: float = 0.2
+    clip_eps: float = ranged(0.2, low=0, low_open=True)
     """Lower clip range: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]. Flow-GRPO uses 1e-4."""
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = ranged(None, low=0, low_open=True)
     """Upper clip range (clip-higher, DAPO uses 0.28); None means the same as clip_eps (symmetric)."""
     ratio_level: str = "token"
     """Importance ratio per unit ('token') or one per sequence, the geometric mean over its units ('sequence',
@@ -95,7 +144,7 @@ class GRPOConfig:
     sequence's term by its length)."""
     loss_aggregation: str = "token-mean"
     """token-mean (DAPO), seq-mean-token-mean (GRPO) or seq-mean-token-sum-norm (Dr. GRPO, constant denominator)."""
-    kl_beta: float = 0.0
+    kl_beta: float = ranged(0.0, low=0)
     """Weight of the KL penalty to the reference policy; 0 skips the reference forward entirely."""
     kl_estimator: str = "k3"
     """KL estimator from log-probs: k1, k2 or k3 (low-variance). The flow pipeline uses its closed form instead."""
@@ -105,33 +154,33 @@ class GRPOConfig:
 class TrainConfig:
     """The loop: how many samples, how they are split, how often weights change."""
 
-    max_steps: int = 100
+    max_steps: int = ranged(100, low=1)
     """Optimiser steps to run in total (each rollout gives num_inner_epochs * updates_per_rollout of them)."""
-    prompts_per_step: int = 8
+    prompts_per_step: int = ranged(8, low=1)
     """Prompts per rollout, summed over all processes. Must divide evenly by the number of processes."""
-    group_size: int = 8
+    group_size: int = ranged(8, low=1)
     """G: samples per prompt. A group is always sampled, scored and normalised on one process, whole."""
-    micro_batch_size: int = 8
+    micro_batch_size: int = ranged(8, low=1)
     """Samples per training forward/backward on one process. Rollouts are chunked the same way."""
-    updates_per_rollout: int = 1
+    updates_per_rollout: int = ranged(1, low=1)
     """Optimiser steps per pass over a rollout: the micro-batches are dealt into this many gradient-accumulation
     groups, as evenly as possible; a process needs at least this many micro-batches."""
-    num_inner_epochs: int = 1
+    num_inner_epochs: int = ranged(1, low=1)
     """K: passes over each rollout (TRL's num_iterations). Each pass after the first is off-policy."""
     mixed_precision: str | None = None
     """accelerate mixed precision for model forwards: no, fp16 or bf16; null takes the launcher's setting
     (``accelerate launch --config_file ...`` or ``--mixed_precision``), or no without a launcher. A value here
     overrides the launcher's. Log-prob math always runs in fp32."""
-    ema_decay: float = 0.0
+    ema_decay: float = ranged(0.0, low=0, high=1, high_open=True)
     """Keep an exponential moving average of the trainable weights with this decay (0 disables). The EMA weights
     are saved next to the raw ones and used by eval and sample."""
-    save_every: int = 50
+    save_every: int = ranged(50, low=0)
     """Save a checkpoint every this many optimiser steps (and always at the end); 0 saves only at the end."""
-    keep_last: int = 2
+    keep_last: int = ranged(2, low=0)
     """Checkpoints to keep; older ones are deleted after a new one is complete. 0 keeps all."""
-    eval_every: int = 0
+    eval_every: int = ranged(0, low=0)
     """Evaluate on the held-out split every this many optimiser steps; 0 disables in-loop evaluation."""
-    max_minutes: float = 0.0
+    max_minutes: float = ranged(0.0, low=0)
     """Wall-clock budget of training in minutes (rollouts, rewards, updates, in-loop evaluation and checkpoints;
     summed over resumes), checked between iterations; 0: none, max_steps alone ends the run. A decaying lr
     schedule (cosine, linear, ...) is re-planned to reach its end where the budget is projected to end (at most
@@ -164,7 +213,7 @@ class LoggingConfig:
     """Also log to Weights & Biases (needs the ``wandb`` extra)."""
     wandb_project: str = "mmgrpo"
     """W&B project name."""
-    plot_every: int = 10
+    plot_every: int = ranged(10, low=0)
     """Redraw the PNG metric curves in output_dir/plots every this many optimiser steps."""
 
 
@@ -176,9 +225,9 @@ class BaseConfig:
     """Which pipeline (registry ``PIPELINES``) builds the policy and data: flow, vlm, or a registered one."""
     output_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, plots/."""
-    seed: int = 0
+    seed: int = ranged(0, low=0)
     """Seed for every random generator; each process adds its rank."""
-    num_threads: int = 0
+    num_threads: int = ranged(0, low=0)
     """torch CPU threads per process; 0 keeps torch's default (one per core). Tiny CPU runs on a shared machine
     are often faster with 1."""
     resume: str | None = None
@@ -402,6 +451,15 @@ def get_key(cfg: Any, key: str) -> Any:
     return cfg
 
 
+def check_ranges(cfg: Any, prefix: str = "") -> None:
+    """Raise ConfigError for the first key of ``cfg`` (a config dataclass or a section of one, whose keys start
+    with ``prefix``) whose value lies outside its :func:`ranged` range."""
+    for key, allowed in key_ranges(type(cfg)).items():
+        value = get_key(cfg, key)
+        if value is not None and not all(allowed.holds(v) for v in (value if isinstance(value, list) else [value])):
+            raise ConfigError(f"bad value for '{prefix}{key}': must be {allowed}, got {value}")
+
+
 def validate(cfg: BaseConfig) -> None:
     """Value checks that a type cannot express. Raises ConfigError naming the key."""
     if cfg.output_dir.strip() in ("", "null", "None", "~"):
@@ -415,18 +473,9 @@ def validate(cfg: BaseConfig) -> None:
     if cfg.train.mixed_precision not in (None, "no", "fp16", "bf16"):
         raise ConfigError(f"bad value '{cfg.train.mixed_precision}' for 'train.mixed_precision': expected one of no, "
                           "fp16, bf16 (or null for the launcher's)")
-    positive = ["train.max_steps", "train.prompts_per_step", "train.group_size", "train.micro_batch_size",
-                "train.updates_per_rollout", "train.num_inner_epochs"]
-    for key in positive:
-        if get_key(cfg, key) < 1:
-            raise ConfigError(f"bad value for '{key}': must be >= 1, got {get_key(cfg, key)}")
-    if not cfg.train.max_minutes >= 0:  # NaN too
-        raise ConfigError(f"bad value for 'train.max_minutes': must be >= 0 (0: no time budget), got "
-                          f"{cfg.train.max_minutes}")
-    if not 0.0 <= cfg.train.ema_decay < 1.0:
-        raise ConfigError(f"bad value for 'train.ema_decay': must be in [0, 1), got {cfg.train.ema_decay}")
-    if cfg.grpo.clip_eps <= 0 or (cfg.grpo.clip_eps_high is not None and cfg.grpo.clip_eps_high <= 0):
-        raise ConfigError("bad value for 'grpo.clip_eps': clip ranges must be > 0")
+    check_ranges(cfg)
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"bad value for 'optim.betas': expected two values (beta1, beta2), got {cfg.optim.betas}")
     from mmgrpo.rewards.zoo import check_spec
 
     for i, spec in enumerate(cfg.rewards):
@@ -464,10 +513,14 @@ __all__ = [
     "GRPOConfig",
     "LoggingConfig",
     "OptimConfig",
+    "Range",
     "RewardSpec",
     "TrainConfig",
+    "check_ranges",
     "key_docs",
+    "key_ranges",
     "load_config",
+    "ranged",
     "read_preset",
     "to_dict",
     "to_yaml",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from mmgrpo.config import BaseConfig, ConfigError, cwd_hint
+from mmgrpo.config import BaseConfig, ConfigError, cwd_hint, ranged
 
 DTYPES = ("float32", "bfloat16", "float16")
 TINY_KINDS = ("sd3", "flux", "wan")
@@ -28,19 +28,19 @@ class FlowModelConfig:
     dtype: str = "float32"
     """Weights dtype of the frozen parts (VAE, text encoders, base transformer): float32, bfloat16 or float16.
     Step and log-prob math always runs in fp32."""
-    lora_rank: int = 32
+    lora_rank: int = ranged(32, low=0)
     """LoRA rank on the transformer; 0 trains the full transformer."""
-    lora_alpha: int = 64
+    lora_alpha: int = ranged(64, low=0, low_open=True)
     """LoRA alpha (the adapter output is scaled by alpha / rank)."""
     lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     """Module-name suffixes that get LoRA adapters."""
-    max_sequence_length: int | None = None
+    max_sequence_length: int | None = ranged(None, low=1)
     """T5/UMT5 tokens per prompt; None keeps the pipeline's default (SD3 256, FLUX and Wan 512). Shorter is
     cheaper: the tiny presets use 10, enough for every ShapesT2I prompt."""
     train_experts: str = "both"
     """Wan2.2 A14B (two experts): which train, both, high (``transformer``, the high-noise expert) or low
     (``transformer_2``); the other keeps its base weights. Ignored by single-transformer models."""
-    guidance_scale_2: float | None = None
+    guidance_scale_2: float | None = ranged(None, low=0)
     """Wan2.2 A14B (two experts): the CFG scale of the steps the low-noise expert (``transformer_2``) runs, as
     ``WanPipeline(guidance_scale_2=...)``; ``sampling.guidance_scale`` is the high-noise expert's. None uses
     ``sampling.guidance_scale`` for both (the pipeline's default). An error for any other model."""
@@ -55,11 +55,11 @@ class FlowModelConfig:
 class FlowSamplingConfig:
     """How images/videos are sampled. Rollout and training always use the same values (ratio == 1)."""
 
-    num_steps: int = 10
+    num_steps: int = ranged(10, low=1)
     """Denoising steps per rollout (Flow-GRPO trains with 10)."""
-    eval_num_steps: int = 40
+    eval_num_steps: int = ranged(40, low=1)
     """Denoising steps (deterministic ODE) for evaluation and ``mmgrpo sample``."""
-    guidance_scale: float = 4.5
+    guidance_scale: float = ranged(4.5, low=0)
     """Classifier-free guidance scale, used in rollout and training; 1 disables CFG (no unconditional
     forward). For guidance-distilled FLUX.1-dev it is the embedded guidance value instead."""
     negative_prompt: str = ""
@@ -69,21 +69,21 @@ class FlowSamplingConfig:
     velocity is not replayed by training: ODE and untrained steps, the Flash solver, BranchGRPO trees (whose old
     log-probs are recomputed) and evaluation. Trained steps always use the training forward's split form, so
     on-policy exactness holds either way; False runs every CFG velocity as two forwards."""
-    height: int = 512
+    height: int = ranged(512, low=1)
     """Image height in pixels."""
-    width: int = 512
+    width: int = ranged(512, low=1)
     """Image width in pixels."""
-    num_frames: int = 33
+    num_frames: int = ranged(33, low=1)
     """Frames per video (Wan only)."""
-    fps: int = 16
+    fps: int = ranged(16, low=1)
     """Frame rate of the videos written to ``samples/`` (Wan2.1 generates 16 fps)."""
     sde: str = "flow_grpo"
     """Stochastic step kernel: flow_grpo (Flow-GRPO SDE), dance (DanceGRPO SDE) or cps
     (coefficients-preserving)."""
-    noise_level: float = 0.7
+    noise_level: float = ranged(0.7, low=0)
     """Noise level a of sde=flow_grpo (std_t = a*sqrt(sigma/(1-sigma))) and of sde=cps (std =
     sigma_prev*sin(a*pi/2), a in [0, 1]); Flow-GRPO uses one noise_level for both. Unused by sde=dance."""
-    eta: float = 0.3
+    eta: float = ranged(0.3, low=0)
     """DanceGRPO eta of sde=dance (std = eta*sqrt(|dt|)); unused by flow_grpo and cps."""
     latent_dtype: str = "float32"
     """Storage dtype of rollout latents. The stored next-latent is round-tripped through it before its
@@ -99,38 +99,38 @@ class FlowModeConfig:
     mixgrpo_flash, branch (BranchGRPO) or tempflow (TempFlow-GRPO). branch computes its own advantages (per-depth
     z-scores of the backed-up weighted-sum reward), so it refuses ``reward_aggregation: gdpo`` and
     ``grpo.adv_batch_norm``, and ignores ``grpo.advantage``."""
-    train_fraction: float = 0.9
+    train_fraction: float = ranged(0.9, low=0, high=1, low_open=True)
     """flow_grpo: fraction of the first steps that are trained. dance_grpo: fraction trained per sample."""
-    window_size: int = 4
+    window_size: int = ranged(4, low=1)
     """mixgrpo / flash / fast: SDE steps in the sliding window. branch with branch_variant=mix: the SDE window
     is steps [0, window_size) (plus the split steps). mixgrpo, flash and branch-mix need 1 <= window_size <=
     sampling.num_steps (fast: at most fast_within of it). MixGRPO publishes 4; Flow-GRPO-Fast uses 3, so set
     ``mode.window_size: 3`` with ``mode.name: fast``."""
-    shift_interval: int = 25
+    shift_interval: int = ranged(25, low=1)
     """mixgrpo / flash: iterations between window moves."""
-    window_stride: int = 1
+    window_stride: int = ranged(1, low=1)
     """mixgrpo / flash: steps the window moves at each shift."""
     window_strategy: str = "progressive"
     """mixgrpo / flash: progressive (with roll-back), random or decay."""
-    flash_compression: float | None = 0.4
+    flash_compression: float | None = ranged(0.4, low=0, high=1, low_open=True)
     """mixgrpo_flash: fraction of the ODE steps after the window that are kept (None keeps all)."""
-    fast_within: float = 0.5
+    fast_within: float = ranged(0.5, low=0, high=1, low_open=True)
     """fast: the window is placed at random inside this first fraction of the steps."""
-    split_points: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
+    split_points: list[int] = ranged(default_factory=lambda: [0, 3, 6, 9], low=0)
     """branch: steps at which every node splits."""
-    branch_factor: int = 2
+    branch_factor: int = ranged(2, low=2)
     """branch: children per split."""
     branch_variant: str = "pure"
     """branch: pure (SDE on every step) or mix (SDE only in a window and at split steps)."""
     reward_backup: str = "mean"
     """branch: internal-node reward, mean of leaves or prob (weighted by child split-step probabilities)."""
-    width_keep: float = 1.0
+    width_keep: float = ranged(1.0, low=0, high=1, low_open=True)
     """branch: fraction of leaf nodes kept for training (top and bottom by advantage); 1 keeps all."""
-    depth_prune_window: int = 0
+    depth_prune_window: int = ranged(0, low=0)
     """branch: untrained steps at the end of the schedule, sliding earlier over training; 0 disables."""
-    depth_prune_interval: int = 25
+    depth_prune_interval: int = ranged(25, low=1)
     """branch: iterations between depth-pruning window moves."""
-    tempflow_candidates: list[int] | None = None
+    tempflow_candidates: list[int] | None = ranged(None, low=0)
     """tempflow: steps that may be the single SDE branch step, drawn once per group (None: all but the
     last)."""
     shared_initial_noise: bool = False
@@ -153,7 +153,7 @@ class FlowDataConfig:
     eval_prompts: str | None = None
     """Held-out prompts in the same formats; None uses the task's held-out split or the first training
     prompts."""
-    num_eval: int = 16
+    num_eval: int = ranged(16, low=1)
     """Held-out prompts used by in-loop evaluation."""
 
 
@@ -189,15 +189,6 @@ class FlowConfig(BaseConfig):
         if self.grpo.ratio_level == "sequence":
             raise ConfigError("bad value 'sequence' for 'grpo.ratio_level': the flow pipeline trains its denoising "
                               "steps in separate backward passes, so its ratios are per step (token)")
-        for key in ("sampling.eval_num_steps", "sampling.height", "sampling.width", "sampling.num_frames",
-                    "sampling.fps", "data.num_eval"):
-            section, name = key.split(".")
-            if getattr(getattr(self, section), name) < 1:
-                raise ConfigError(f"bad value for '{key}': must be >= 1")
-        if self.model.max_sequence_length is not None and self.model.max_sequence_length < 1:
-            raise ConfigError("bad value for 'model.max_sequence_length': must be >= 1 (null: the default)")
-        if self.model.lora_rank < 0:
-            raise ConfigError("bad value for 'model.lora_rank': must be >= 0 (0 trains the full transformer)")
         if self.mode.name == "branch":
             refused = {"reward_aggregation": self.reward_aggregation == "gdpo", "grpo.adv_batch_norm":
                        self.grpo.adv_batch_norm}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmgrpo.config import BaseConfig
+from mmgrpo.config import BaseConfig, ranged
 
 
 @dataclass
@@ -20,9 +20,9 @@ class VLMModelConfig:
     """Hub revision for ``path``."""
     dtype: str = "float32"
     """Weights dtype: float32, bfloat16 or float16. Log-prob math runs in fp32."""
-    lora_rank: int = 0
+    lora_rank: int = ranged(0, low=0)
     """LoRA rank on the language model; 0 trains the full model."""
-    lora_alpha: int = 32
+    lora_alpha: int = ranged(32, low=0, low_open=True)
     """LoRA alpha."""
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module-name suffixes that get LoRA adapters (language model only)."""
@@ -45,9 +45,9 @@ class VLMDataConfig:
     eval_file: str | None = None
     """Held-out file in the same formats, or ``task:NAME[,NAME...]`` (the tasks' held-out split, items 0 on, enough
     per kind for ``num_eval``); None holds out the last ``num_eval`` training samples."""
-    task_items: int = 1000
+    task_items: int = ranged(1000, low=1)
     """Items per kind of each task in a ``task:`` train_file."""
-    task_start: int = 0
+    task_start: int = ranged(0, low=0)
     """Index of the first item of a ``task:`` train_file (item i of a kind is drawn from seed 2i). Start after the
     items a model was fine-tuned on to train on unseen ones: the shipped tiny VLM's SFT used items 0-1499."""
     task_cache: str = "~/.cache/mmgrpo/tasks"
@@ -55,7 +55,7 @@ class VLMDataConfig:
     range and generator version)."""
     root: str = "."
     """Folder that image and video paths are relative to."""
-    num_eval: int = 32
+    num_eval: int = ranged(32, low=1)
     """Held-out samples for evaluation when ``eval_file`` is None, and the cap on in-loop evaluation."""
     prompt_template: str = ("{question}{options}\nThink about the question step by step inside <think> </think> "
                             "tags, then give only the final answer inside <answer> </answer> tags.{type_instruction}")
@@ -68,7 +68,7 @@ class VLMDataConfig:
     to write the answer. Empty by default; samples without a type, or of a type not listed, get nothing."""
     on_bad_media: str = "skip"
     """A missing or corrupt image/video: skip (count it and warn) or error (stop the run)."""
-    max_prompt_tokens: int = 4096
+    max_prompt_tokens: int = ranged(4096, low=1)
     """Prompts longer than this (text plus vision tokens) are skipped with a warning, or stop the run when
     on_bad_media is error."""
     media_types: list[str] = field(default_factory=lambda: ["image", "video", "text"])
@@ -88,18 +88,18 @@ class VLMVideoConfig:
     """Fewest frames per video."""
     max_frames: int = 16
     """Most frames per video."""
-    frame_multiple: int = 2
+    frame_multiple: int = ranged(2, low=1)
     """The frame count is rounded to a multiple of this (Qwen2-VL merges 2 frames per temporal patch)."""
     max_pixels: int = 128
     """Per-frame pixel budget in units of 28x28 pixels (128 -> 128*28*28 pixels)."""
-    min_pixels: int = 4
+    min_pixels: int = ranged(4, low=1)
     """Per-frame pixel floor in units of 28x28 pixels."""
     image_max_pixels: int = 256
     """Per-image pixel budget in units of 28x28 pixels."""
     image_min_pixels: int | None = None
     """Per-image pixel floor in units of 28x28 pixels; None uses ``min_pixels``. Raising it upscales small images,
     so the vision tower sees them through more patches (4 -> 16 merged tokens for a 64x64 image at 16)."""
-    size_factor: int = 28
+    size_factor: int = ranged(28, low=1)
     """Frame and image sides are resized to multiples of this many pixels: the vision patch times the spatial merge
     (28 = 14 x 2 for Qwen2-VL and Qwen2.5-VL, 32 = 16 x 2 for Qwen3-VL). The budgets above stay in 28x28 units."""
 
@@ -108,25 +108,25 @@ class VLMVideoConfig:
 class VLMGenerationConfig:
     """How completions are sampled."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = ranged(256, low=1)
     """Token limit per completion; completions that hit it are flagged as truncated."""
-    temperature: float = 1.0
+    temperature: float = ranged(1.0, low=0)
     """Sampling temperature of rollouts. Training scores the samples at the same temperature (policy, old and
     reference log-probs all use ``logits / temperature``, as TRL does), so the ratio and KL are those of the
     distribution sampled from. top_k and top_p truncate sampling only."""
-    top_p: float = 1.0
+    top_p: float = ranged(1.0, low=0, high=1, low_open=True)
     """Nucleus sampling threshold (1 disables)."""
-    top_k: int = 0
+    top_k: int = ranged(0, low=0)
     """Top-k sampling (0 disables)."""
     backend: str = "hf"
     """hf (transformers, prefill shared across the group) or vllm (the ``vllm`` extra, CUDA, vLLM >= 0.11): training
     rollouts sample through a vLLM engine colocated in each process (``pipelines/vlm/vllm_backend.py``); old
     log-probs still come from the training forward, and eval / sample keep the transformers path."""
     # --- vLLM rollout backend options (used only with backend: vllm; docs/vlm.md, "vLLM rollout backend") ---
-    vllm_gpu_memory_utilization: float = 0.3
+    vllm_gpu_memory_utilization: float = ranged(0.3, low=0, high=1, low_open=True)
     """Fraction of each GPU the colocated engine may take (its weight copy, KV cache, activations and CUDA graphs);
     the trainer's weights, gradients, optimiser state and activations must fit in the rest."""
-    vllm_max_model_len: int = 0
+    vllm_max_model_len: int = ranged(0, low=0)
     """Longest sequence (prompt + completion) the engine holds; 0 uses data.max_prompt_tokens + max_new_tokens."""
     vllm_sleep: bool = False
     """Between rollouts, offload the engine's weights to CPU memory and free its KV cache (vLLM sleep level 1),
@@ -141,9 +141,9 @@ class VLMGenerationConfig:
     # --- end of vLLM options ---
     mask_truncated: bool = True
     """Leave truncated completions out of the loss."""
-    eval_temperature: float = 0.0
+    eval_temperature: float = ranged(0.0, low=0)
     """Sampling temperature of ``eval`` and ``sample`` (one completion per prompt); 0 decodes greedily."""
-    batch_rows: int = 0
+    batch_rows: int = ranged(0, low=0)
     """Decode the groups of several prompts together, up to this many rows (a group is never split; evaluation
     groups are one row); 0 decodes one prompt's group at a time. It cuts the model calls per token, a large
     speed-up where a call costs more than its rows (small models, CPU). Every row holds its prompt's KV cache,
@@ -163,11 +163,11 @@ class TGRPOConfig:
 
     enabled: bool = False
     """Also roll out each video prompt on shuffled frames and add the temporal bonus."""
-    alpha: float = 0.3
+    alpha: float = ranged(0.3, low=0)
     """Bonus added to each correct ordered-frame rollout when the group passes the test."""
-    mu: float = 0.8
+    mu: float = ranged(0.8, low=0)
     """The group passes when ordered accuracy >= mu * shuffled accuracy."""
-    shuffled_group_size: int = 0
+    shuffled_group_size: int = ranged(0, low=0)
     """Shuffled-frame rollouts per prompt; 0 uses train.group_size."""
 
 

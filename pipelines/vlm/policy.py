@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from accelerate import PartialState
 
-from mmgrpo.config import ConfigError
+from mmgrpo.config import ConfigError, check_ranges
 from mmgrpo.grpo import kl_estimate
 from mmgrpo.pipelines.vlm import tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
@@ -37,7 +37,6 @@ from mmgrpo.pipelines.vlm.vision_calls import VisionCallBalancer, calls_to_balan
 from mmgrpo.pipelines.vlm.vllm_backend import (
     VLLMSampler,
     backend_unavailable,
-    check_vllm_options,
     media_limits,
 )
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
@@ -119,26 +118,18 @@ def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
     """Raise ConfigError naming the key of a value the vlm policy cannot run with. ``VLMConfig.validate`` runs it
     when the config loads; with ``runnable_here`` (when the policy is built) it also checks that the rollout
     backend can run on this machine (vLLM needs its package and a CUDA GPU)."""
+    check_ranges(cfg)
     gen = cfg.generation
     if gen.backend == "vllm":
         reason = backend_unavailable() if runnable_here else None
         if reason is not None:
             raise ConfigError(f"bad value 'vllm' for 'generation.backend': the vLLM rollout backend is not "
                               f"available here: {reason}; use 'hf'")
-        check_vllm_options(gen)
     elif gen.backend != "hf":
         raise ConfigError(f"bad value '{gen.backend}' for 'generation.backend': expected hf or vllm")
-    if gen.max_new_tokens < 1:
-        raise ConfigError(f"bad value for 'generation.max_new_tokens': must be >= 1, got {gen.max_new_tokens}")
-    if gen.batch_rows < 0:
-        raise ConfigError(f"bad value for 'generation.batch_rows': must be >= 0, got {gen.batch_rows}")
-    if gen.eval_temperature < 0 or gen.temperature < 0:
-        raise ConfigError("bad value for 'generation.temperature': temperatures must be >= 0")
     if cfg.data.on_bad_media not in BAD_MEDIA_POLICIES:
         raise ConfigError(f"bad value '{cfg.data.on_bad_media}' for 'data.on_bad_media': expected one of "
                           f"{', '.join(BAD_MEDIA_POLICIES)}")
-    if cfg.data.max_prompt_tokens < 1:
-        raise ConfigError(f"bad value for 'data.max_prompt_tokens': must be >= 1, got {cfg.data.max_prompt_tokens}")
     unknown = set(cfg.data.media_types) - set(MEDIA_TYPES)
     if unknown:
         raise ConfigError(f"bad value {sorted(unknown)} for 'data.media_types': expected some of "

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from mmgrpo.config import ConfigError
+from mmgrpo.config import ConfigError, check_ranges
 
 from .config import VLMVideoConfig
 
@@ -50,22 +50,17 @@ def _reason(err: BaseException) -> str:
 
 def check_video_config(cfg: VLMVideoConfig) -> None:
     """Raise ConfigError naming the ``video.*`` key whose value cannot work."""
+    check_ranges(cfg, "video.")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"bad value '{cfg.backend}' for 'video.backend': expected one of {', '.join(BACKENDS)}")
     if not (math.isfinite(cfg.fps) and cfg.fps > 0):
         raise ConfigError(f"bad value for 'video.fps': must be > 0, got {cfg.fps}")
-    if cfg.frame_multiple < 1:
-        raise ConfigError(f"bad value for 'video.frame_multiple': must be >= 1, got {cfg.frame_multiple}")
     if not 1 <= cfg.min_frames <= cfg.max_frames:
         raise ConfigError(f"bad value for 'video.min_frames': need 1 <= min_frames <= max_frames, got "
                           f"{cfg.min_frames} and {cfg.max_frames}")
     if cfg.max_frames < cfg.frame_multiple:
         raise ConfigError(f"bad value for 'video.max_frames': must be >= video.frame_multiple "
                           f"({cfg.frame_multiple}), got {cfg.max_frames}")
-    if cfg.size_factor < 1:
-        raise ConfigError(f"bad value for 'video.size_factor': must be >= 1, got {cfg.size_factor}")
-    if cfg.min_pixels < 1:
-        raise ConfigError(f"bad value for 'video.min_pixels': must be >= 1, got {cfg.min_pixels}")
     for key in ("max_pixels", "image_max_pixels"):
         value = getattr(cfg, key)
         if value < cfg.min_pixels or value * PIXEL_UNIT < cfg.size_factor ** 2:

@@ -83,16 +83,6 @@ def backend_unavailable() -> str | None:
     return None
 
 
-def check_vllm_options(gen: VLMGenerationConfig) -> None:
-    """Raise ConfigError naming the key of a vLLM option out of range."""
-    if not 0 < gen.vllm_gpu_memory_utilization <= 1:
-        raise ConfigError(f"bad value for 'generation.vllm_gpu_memory_utilization': must be in (0, 1], got "
-                          f"{gen.vllm_gpu_memory_utilization}")
-    if gen.vllm_max_model_len < 0:
-        raise ConfigError(f"bad value for 'generation.vllm_max_model_len': must be >= 0 (0: prompt budget + "
-                          f"max_new_tokens), got {gen.vllm_max_model_len}")
-
-
 def import_vllm() -> Any:
     """The vllm module, or a one-line ConfigError naming ``generation.backend`` when it is missing, broken, older
     than :data:`MIN_VLLM`, or there is no CUDA GPU."""
@@ -367,7 +357,6 @@ class VLLMSampler:
     never build one. Raises a one-line ConfigError naming ``generation.backend`` when vLLM or CUDA is missing."""
 
     def __init__(self, cfg: VLMConfig, vlm: VLMModel, limits: dict[str, int]):
-        check_vllm_options(cfg.generation)
         self.vllm = import_vllm()
         self.cfg, self.vlm, self.limits = cfg, vlm, dict(limits)
         self.allowed = allowed_token_ids(vlm.vocab_size, vlm.vision_token_ids)

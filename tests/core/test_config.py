@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 import yaml
 
 from mmgrpo.cli import main
-from mmgrpo.config import BaseConfig, ConfigError, key_docs, load_config, read_preset, to_yaml, valid_keys
+from mmgrpo.config import (BaseConfig, ConfigError, Range, key_docs, key_ranges, load_config, read_preset, to_yaml,
+                           valid_keys)
 from mmgrpo.registry import PIPELINES
 
 
@@ -214,6 +216,64 @@ class _Child(_Parent):
     section: _Parent = None
     name: str = "x"
     """Documented on the child."""
+
+
+@pytest.mark.parametrize(("allowed", "text", "inside", "outside"), [
+    (Range(0), ">= 0", [0, 0.0, 3], [-1, -1e-9, float("nan")]),
+    (Range(0, low_open=True), "> 0", [1e-9, 5], [0, -1, float("nan")]),
+    (Range(0, 1, high_open=True), "in [0, 1)", [0, 0.999], [1, -0.1, float("nan")]),
+    (Range(0, 1, low_open=True), "in (0, 1]", [1, 0.5], [0, 1.01]),
+    (Range(high=2), "<= 2", [2, -100], [2.5, float("nan")]),
+])
+def test_a_range_holds_its_values_and_says_what_they_are(allowed, text, inside, outside):
+    assert str(allowed) == text
+    assert all(allowed.holds(v) for v in inside)
+    assert not any(allowed.holds(v) for v in outside)
+
+
+def just_outside(allowed: Range, integer: bool) -> float:
+    """A value next to the range, on the side of its lower bound (or upper, when it has none below)."""
+    if allowed.low is not None:
+        return allowed.low if allowed.low_open else allowed.low - (1 if integer else 0.5)
+    return allowed.high if allowed.high_open else allowed.high + (1 if integer else 0.5)
+
+
+def get_section(schema: type, key: str) -> type:
+    """The dataclass that declares the last component of a dotted key."""
+    for part in key.split(".")[:-1]:
+        schema = typing.get_type_hints(schema)[part]
+    return schema
+
+
+PRESETS = {"flow": "configs/flow/tiny_flowgrpo.yaml", "vlm": "configs/vlm/tiny_image.yaml"}
+
+
+@pytest.mark.parametrize("pipeline", sorted(PRESETS))
+def test_every_ranged_key_refuses_a_value_outside_its_range(pipeline, monkeypatch):
+    """A negative KL weight or a NaN learning rate used to train silently; every key declared with a range now
+    refuses a value next to it, and NaN for a float, with one line that names the key."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the presets name their files from the repo root
+    schema = PIPELINES.get(pipeline).config_class
+    ranges = key_ranges(schema)
+    assert {"grpo.kl_beta", "optim.lr", "train.group_size", "train.max_minutes"} <= set(ranges)
+    load_config(PRESETS[pipeline])  # the preset itself is in range
+    for key, allowed in ranges.items():
+        declared = str(typing.get_type_hints(get_section(schema, key))[key.rsplit(".", 1)[-1]])
+        integer = "int" in declared and "float" not in declared
+        values = [just_outside(allowed, integer)] + ([] if integer else [float("nan")])
+        for value in values:
+            text = f"[{value}]" if "list" in declared else str(value)
+            with pytest.raises(ConfigError, match=re.escape(f"bad value for '{key}': must be {allowed}, got")):
+                load_config(PRESETS[pipeline], [f"{key}={text}"])
+
+
+def test_optim_betas_are_two_values_in_range(tmp_path):
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
+    with pytest.raises(ConfigError, match=r"'optim.betas': expected two values"):
+        load_config(preset, ["optim.betas=[0.9]"])
+    with pytest.raises(ConfigError, match=r"'optim.betas': must be in \[0, 1\)"):
+        load_config(preset, ["optim.betas=[0.9,1.0]"])
+    assert load_config(preset, ["grpo.clip_eps_high=null"]).grpo.clip_eps_high is None  # unset optional: passes
 
 
 def test_key_docs_reads_field_docstrings_through_the_mro_and_sections():
