@@ -40,7 +40,7 @@ def cwd_hint(path: str | os.PathLike) -> str:
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key may take: ``low`` <= value <= ``high``, strict at an ``open`` end; None is
-    unbounded. NaN is in no range."""
+    unbounded. NaN and the infinities are in no range."""
 
     low: float | None = None
     high: float | None = None
@@ -49,13 +49,15 @@ class Range:
 
     def holds(self, value: float) -> bool:
         """Whether ``value`` lies in the range."""
-        if math.isnan(value):
+        if not math.isfinite(value):
             return False
         above = self.low is None or (value > self.low if self.low_open else value >= self.low)
         below = self.high is None or (value < self.high if self.high_open else value <= self.high)
         return above and below
 
     def __str__(self) -> str:
+        if self.low is None and self.high is None:
+            return "a finite number"
         if self.high is None:
             return f"{'>' if self.low_open else '>='} {self.low:g}"
         if self.low is None:
@@ -194,7 +196,7 @@ class RewardSpec:
 
     name: str = "???"
     """Registered reward name or ``package.module:attr``."""
-    weight: float = 1.0
+    weight: float = ranged(1.0)
     """Weight of this reward in the combination. 0 scores and logs it (``reward/<name>/mean``) without training on
     it: a monitor, such as ``grid_seams`` next to a preference reward."""
     args: dict[str, Any] = field(default_factory=dict)
@@ -453,11 +455,16 @@ def get_key(cfg: Any, key: str) -> Any:
 
 def check_ranges(cfg: Any, prefix: str = "") -> None:
     """Raise ConfigError for the first key of ``cfg`` (a config dataclass or a section of one, whose keys start
-    with ``prefix``) whose value lies outside its :func:`ranged` range."""
-    for key, allowed in key_ranges(type(cfg)).items():
-        value = get_key(cfg, key)
-        if value is not None and not all(allowed.holds(v) for v in (value if isinstance(value, list) else [value])):
-            raise ConfigError(f"bad value for '{prefix}{key}': must be {allowed}, got {value}")
+    with ``prefix``) whose value lies outside its :func:`ranged` range; sections and lists of them (``rewards``)
+    are checked item by item."""
+    for f in dataclasses.fields(cfg):
+        key, value = f"{prefix}{f.name}", getattr(cfg, f.name)
+        items = value if isinstance(value, list) else [value]
+        if any(dataclasses.is_dataclass(item) for item in items):
+            for i, item in enumerate(items):
+                check_ranges(item, f"{key}.{i}." if isinstance(value, list) else f"{key}.")
+        elif "range" in f.metadata and value is not None and not all(f.metadata["range"].holds(v) for v in items):
+            raise ConfigError(f"bad value for '{key}': must be {f.metadata['range']}, got {value}")
 
 
 def validate(cfg: BaseConfig) -> None:

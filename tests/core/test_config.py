@@ -1,5 +1,6 @@
 """Typed configs: presets with base inheritance, dotted overrides, one-line errors that name the key."""
 
+import copy
 import re
 import subprocess
 import sys
@@ -11,8 +12,19 @@ import pytest
 import yaml
 
 from mmgrpo.cli import main
-from mmgrpo.config import (BaseConfig, ConfigError, Range, key_docs, key_ranges, load_config, read_preset, to_yaml,
-                           valid_keys)
+from mmgrpo.config import (
+    BaseConfig,
+    ConfigError,
+    Range,
+    check_ranges,
+    get_key,
+    key_docs,
+    key_ranges,
+    load_config,
+    read_preset,
+    to_yaml,
+    valid_keys,
+)
 from mmgrpo.registry import PIPELINES
 
 
@@ -223,7 +235,8 @@ class _Child(_Parent):
     (Range(0, low_open=True), "> 0", [1e-9, 5], [0, -1, float("nan")]),
     (Range(0, 1, high_open=True), "in [0, 1)", [0, 0.999], [1, -0.1, float("nan")]),
     (Range(0, 1, low_open=True), "in (0, 1]", [1, 0.5], [0, 1.01]),
-    (Range(high=2), "<= 2", [2, -100], [2.5, float("nan")]),
+    (Range(high=2), "<= 2", [2, -100], [2.5, float("nan"), float("-inf")]),
+    (Range(), "a finite number", [0, -3.5, 1e30], [float("inf"), float("nan")]),
 ])
 def test_a_range_holds_its_values_and_says_what_they_are(allowed, text, inside, outside):
     assert str(allowed) == text
@@ -256,24 +269,34 @@ def test_every_ranged_key_refuses_a_value_outside_its_range(pipeline, monkeypatc
     schema = PIPELINES.get(pipeline).config_class
     ranges = key_ranges(schema)
     assert {"grpo.kl_beta", "optim.lr", "train.group_size", "train.max_minutes"} <= set(ranges)
-    load_config(PRESETS[pipeline])  # the preset itself is in range
+    for override, shown in (("grpo.kl_beta=-1", "grpo.kl_beta': must be >= 0, got -1.0"),
+                            ("optim.lr=nan", "optim.lr': must be >= 0, got nan")):  # through the whole load
+        with pytest.raises(ConfigError, match=re.escape(f"bad value for '{shown}")):
+            load_config(PRESETS[pipeline], [override])
+    cfg = load_config(PRESETS[pipeline])  # the preset itself is in range
     for key, allowed in ranges.items():
-        declared = str(typing.get_type_hints(get_section(schema, key))[key.rsplit(".", 1)[-1]])
+        section_key, name = key.rsplit(".", 1) if "." in key else ("", key)
+        declared = str(typing.get_type_hints(get_section(schema, key))[name])
         integer = "int" in declared and "float" not in declared
-        values = [just_outside(allowed, integer)] + ([] if integer else [float("nan")])
-        for value in values:
-            text = f"[{value}]" if "list" in declared else str(value)
+        for value in [just_outside(allowed, integer)] + ([] if integer else [float("nan")]):
+            bad = copy.deepcopy(cfg)
+            setattr(get_key(bad, section_key) if section_key else bad, name, [value] if "list" in declared else value)
             with pytest.raises(ConfigError, match=re.escape(f"bad value for '{key}': must be {allowed}, got")):
-                load_config(PRESETS[pipeline], [f"{key}={text}"])
+                check_ranges(bad)
 
 
-def test_optim_betas_are_two_values_in_range(tmp_path):
+def test_list_values_are_checked_item_by_item(tmp_path):
     preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
     with pytest.raises(ConfigError, match=r"'optim.betas': expected two values"):
         load_config(preset, ["optim.betas=[0.9]"])
     with pytest.raises(ConfigError, match=r"'optim.betas': must be in \[0, 1\)"):
         load_config(preset, ["optim.betas=[0.9,1.0]"])
     assert load_config(preset, ["grpo.clip_eps_high=null"]).grpo.clip_eps_high is None  # unset optional: passes
+    rewards = write(tmp_path / "r.yaml", {"pipeline": "toy_bandit:PIPELINE",
+                                          "rewards": [{"name": "format"}, {"name": "accuracy", "weight": 0.5}]})
+    assert load_config(rewards, ["rewards.1.weight=-2"]).rewards[1].weight == -2  # a weight may pay against
+    with pytest.raises(ConfigError, match=r"bad value for 'rewards.1.weight': must be a finite number, got nan"):
+        load_config(rewards, ["rewards.1.weight=nan"])
 
 
 def test_key_docs_reads_field_docstrings_through_the_mro_and_sections():
