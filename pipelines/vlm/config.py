@@ -82,7 +82,7 @@ class VLMVideoConfig:
 
     backend: str = "auto"
     """decord, pyav, or auto (decord, falling back to PyAV)."""
-    fps: float = 2.0
+    fps: float = ranged(2.0, low=0, low_open=True)
     """Frames sampled per second of video."""
     min_frames: int = 4
     """Fewest frames per video."""

@@ -53,8 +53,6 @@ def check_video_config(cfg: VLMVideoConfig) -> None:
     check_ranges(cfg, "video.")
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"bad value '{cfg.backend}' for 'video.backend': expected one of {', '.join(BACKENDS)}")
-    if not (math.isfinite(cfg.fps) and cfg.fps > 0):
-        raise ConfigError(f"bad value for 'video.fps': must be > 0, got {cfg.fps}")
     if not 1 <= cfg.min_frames <= cfg.max_frames:
         raise ConfigError(f"bad value for 'video.min_frames': need 1 <= min_frames <= max_frames, got "
                           f"{cfg.min_frames} and {cfg.max_frames}")
