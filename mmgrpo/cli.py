@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mmgrpo.config import ConfigError, load_config
-from mmgrpo.policy import RunError
+from mmgrpo.errors import RunError
 from mmgrpo.registry import RegistryError
 
 DEMO_MISSING = """\

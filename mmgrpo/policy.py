@@ -21,11 +21,6 @@ from torch import nn
 from mmgrpo.config import ConfigError
 
 
-class RunError(RuntimeError):
-    """A failure during a run that its one-line message explains (a reward that failed, data with no usable item
-    left); the CLI prints the message without a traceback and exits 1."""
-
-
 @dataclass
 class Rollout:
     """What one rollout produced on this process. N samples = local prompts x G, U units per sample.

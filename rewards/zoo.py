@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mmgrpo.config import ConfigError
-from mmgrpo.policy import RunError
+from mmgrpo.errors import RunError
 from mmgrpo.registry import REWARDS, RegistryError
 
 from .base import (

@@ -25,6 +25,7 @@ import torch
 from accelerate import PartialState
 
 from mmgrpo.config import ConfigError, check_ranges
+from mmgrpo.errors import RunError
 from mmgrpo.grpo import kl_estimate
 from mmgrpo.pipelines.vlm import tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
@@ -41,7 +42,7 @@ from mmgrpo.pipelines.vlm.vllm_backend import (
 )
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
 from mmgrpo.pipelines.vlm.whole_weights import whole_weights
-from mmgrpo.policy import LogProbs, Policy, Rollout, RunError, any_process
+from mmgrpo.policy import LogProbs, Policy, Rollout, any_process
 from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
 from mmgrpo.rewards.text_rules import PROBLEM_TYPES

@@ -22,6 +22,14 @@ def test_help_lists_every_command():
         assert re.search(rf"\b{command}\b", out), command
 
 
+def test_help_starts_without_importing_torch():
+    """``mmgrpo --help`` answers in a fraction of a second: the commands import torch when they run, not before."""
+    probe = ("import sys\nfrom mmgrpo.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
+
+
 def test_rewards_command_lists_kind_and_modality():
     out = run("rewards").stdout
     assert re.search(r"clip_score\s.*pointwise\s.*image", out)
