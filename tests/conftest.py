@@ -2,10 +2,14 @@ import os
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the workers share the cores: one intra-op thread each (and in their subprocesses), set before torch loads
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture
@@ -31,8 +35,8 @@ def one_thread():
 
 @pytest.fixture
 def launch_two_processes(support_env, tmp_path):
-    """``launch_two_processes(script, *args, port) -> dict``: runs ``tests/support/<script> OUT.json *args`` under
-    ``accelerate launch`` with two gloo processes (configs/accelerate/cpu_2proc.yaml) on rendezvous ``port``, and
+    """``launch_two_processes(script, *args) -> dict``: runs ``tests/support/<script> OUT.json *args`` under
+    ``accelerate launch`` with two gloo processes (configs/accelerate/cpu_2proc.yaml) on a free rendezvous port, and
     returns the JSON report the script writes to OUT.json."""
     import json
     import shutil
@@ -43,9 +47,9 @@ def launch_two_processes(support_env, tmp_path):
     launcher = SUPPORT.parent.parent / "configs" / "accelerate" / "cpu_2proc.yaml"
     env = {**support_env, "OMP_NUM_THREADS": "1"}
 
-    def run(script, *args, port: int):
+    def run(script, *args):
         out = tmp_path / f"{Path(script).stem}.json"
-        cmd = ["accelerate", "launch", "--config_file", str(launcher), "--main_process_port", str(port),
+        cmd = ["accelerate", "launch", "--config_file", str(launcher), "--main_process_port", str(free_port()),
                str(SUPPORT / script), str(out), *map(str, args)]
         proc = subprocess.run(cmd, env=env, cwd=SUPPORT.parent.parent, capture_output=True, text=True, timeout=300,
                               check=False)
@@ -64,6 +68,6 @@ def train_on_two_processes(launch_two_processes, tmp_path):
     def run(config, *overrides):
         return launch_two_processes("pipeline_ddp_check.py", config, f"output_dir={tmp_path / 'run'}",
                                     "logging.progress=false", "logging.plot_every=0", "train.eval_every=0",
-                                    "train.save_every=0", *overrides, port=29523)
+                                    "train.save_every=0", *overrides)
 
     return run

@@ -43,7 +43,6 @@ def test_task_words_and_tags_are_single_tokens():
 
 
 def test_greedy_heldout_completions_have_the_think_answer_format():
-    torch.set_num_threads(2)
     cfg = load_config(PRESET)
     vlm = VLMModel(VLMModelConfig(path=str(ASSET)))
     data = ROOT / cfg.data.root

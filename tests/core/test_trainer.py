@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from accelerate.utils import DeepSpeedPlugin
+from ports import free_port
 from safetensors.torch import load_file
 from toy_bandit import ToyConfig
 
@@ -273,7 +274,7 @@ def test_shipped_accelerate_configs_parse(name):
 def test_two_processes_gather_whole_groups_and_stay_in_sync(tmp_path, support_env):
     out = tmp_path / "ddp.json"
     config = SUPPORT.parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
-    cmd = ["accelerate", "launch", "--config_file", str(config), "--main_process_port", "29517",
+    cmd = ["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
            str(SUPPORT / "ddp_check.py"), str(out), str(tmp_path / "run")]
     proc = subprocess.run(cmd, env=support_env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

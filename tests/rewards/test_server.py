@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 from mmgrpo.bench import run_bench
 from mmgrpo.cli import main as cli_main
@@ -94,12 +95,6 @@ def image_batch(n=6, group_size=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 257, (n, 3, 16, 16), generator=g).float() / 256
     return RewardBatch(prompts=[f"p {i} {i}" for i in range(n)], group=torch.arange(n) // group_size, images=images)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------------- wire format

@@ -221,7 +221,7 @@ def test_sampling_with_fsdp2_sharded_weights_on_two_processes(launch_two_process
     what the unsharded model samples alone. Afterwards the weights are sharded again, the policy's gathering
     evaluation answers as the unsharded policy does, a T-GRPO rollout runs shuffled-frame sampling on one process
     only, and a training step's gradients equal the unsharded model's."""
-    report = launch_two_processes("fsdp_generation_check.py", port=29541)
+    report = launch_two_processes("fsdp_generation_check.py")
     first, second = report["processes"]
     assert report["sharded"]
     assert first["forwards_alone"] != second["forwards_alone"]  # without syncing, the calls would differ

@@ -127,7 +127,7 @@ def test_mixed_media_trains_with_fsdp2_sharded_weights_on_two_processes(launch_t
     """tests/support/fsdp_mixed_media_check.py: one process trains on an image and a video question, the other on
     images only, then each prefills another kind. Unbalanced, the weight gathers mismatch and gloo aborts the run;
     balanced, both run the tower twice per forward and match the unsharded model exactly."""
-    report = launch_two_processes("fsdp_mixed_media_check.py", port=29543)
+    report = launch_two_processes("fsdp_mixed_media_check.py")
     assert report["sharded"] and report["calls"] == 2  # the demo data mixes images and videos
     for process in report["processes"]:
         assert process["tower_calls"] == [2, 2, 2]  # standard and Prefix Grouper training forwards, a prefill

@@ -1,11 +1,10 @@
 """whole_weights on a one-process FSDP2 model: gathered inside the block, sharded again after it, and afterwards the
 root keeps its weights after forward while the inner modules reshard (FSDP2's rule, which the block restores)."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
+from ports import free_port
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -17,10 +16,7 @@ from mmgrpo.pipelines.vlm.whole_weights import outermost, sharded_modules, whole
 def one_process_group():
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this test process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
