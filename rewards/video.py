@@ -175,10 +175,12 @@ class TemporalConsistency(Reward):
         return (feats[:, 1:] * feats[:, :-1]).sum(-1).mean(1).double().cpu()
 
 
-def frame_differences(videos: torch.Tensor, max_side: int) -> torch.Tensor:
+def frame_differences(videos: torch.Tensor, max_side: int, ignore_brightness: bool = False) -> torch.Tensor:
     """(B, F, 3, H, W) RGB in [0, 1] -> (B, F - 1) mean absolute luma change between adjacent frames, in luma
     units ([0, 1]). Frames larger than ``max_side`` px on their longer side are first shrunk (area interpolation),
-    which averages pixel noise away and bounds the cost."""
+    which averages pixel noise away and bounds the cost. ``ignore_brightness`` subtracts each frame's mean luma
+    first, so a change of the whole frame's brightness (exposure flicker) counts 0, and motion within the frame,
+    which keeps the mean, counts as before."""
     b, f = videos.shape[:2]
     luma = luminance(videos.flatten(0, 1))  # float32: a float64 copy of every RGB frame made batch 32 1.6x slower
     height, width = luma.shape[-2:]
@@ -186,6 +188,8 @@ def frame_differences(videos: torch.Tensor, max_side: int) -> torch.Tensor:
     if scale < 1:
         luma = F.interpolate(luma, size=(max(1, round(height * scale)), max(1, round(width * scale))), mode="area")
     luma = luma.to(torch.float64).view(b, f, -1)
+    if ignore_brightness:
+        luma = luma - luma.mean(-1, keepdim=True)
     return (luma[:, 1:] - luma[:, :-1]).abs().mean(-1)
 
 
@@ -198,8 +202,9 @@ class Motion(Reward):
 
     The counterpart of ``temporal_consistency``, which rewards stillness: a policy trained on consistency and
     per-frame quality alone can learn to stop moving, and this shows it (as a monitor, weight 0) or pays against
-    it. It counts any change, flicker included, so do not train on it alone: with ``temporal_consistency`` beside
-    it, smooth motion is what scores on both. The value grows with the frame stride, so compare runs at the same
+    it. Changes of the whole frame's brightness (exposure flicker) count 0 by default (``ignore_brightness``), but
+    any other change counts, local flicker included, so do not train on it alone: with ``temporal_consistency``
+    beside it, smooth motion is what scores on both. The value grows with the frame stride, so compare runs at the same
     ``frames`` and clip length. ``saturate_at`` caps the incentive: ``min(1, value / saturate_at)`` pays nothing
     beyond "moving enough".
 
@@ -207,12 +212,15 @@ class Motion(Reward):
         frames: frames sampled per video, evenly spaced (None = all frames).
         max_side: frames are shrunk to at most this many pixels on their longer side before differencing.
         saturate_at: mean luma change at which the score reaches 1 and stops growing; None returns the raw value.
+        ignore_brightness: subtract each frame's mean luma before differencing, so that brightening or darkening
+            the whole frame is not motion.
     """
 
     kind = POINTWISE
     modality = "video"
 
-    def __init__(self, frames: int | None = 16, max_side: int = 64, saturate_at: float | None = None):
+    def __init__(self, frames: int | None = 16, max_side: int = 64, saturate_at: float | None = None,
+                 ignore_brightness: bool = True):
         if frames is not None and frames < 2:
             raise ValueError(f"motion: frames must be >= 2 (or None for all); got {frames}")
         if max_side < 1:
@@ -220,6 +228,7 @@ class Motion(Reward):
         if saturate_at is not None and saturate_at <= 0:
             raise ValueError(f"motion: saturate_at must be > 0; got {saturate_at}")
         self.frames, self.max_side, self.saturate_at = frames, max_side, saturate_at
+        self.ignore_brightness = ignore_brightness
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         """(B,) float64 CPU mean adjacent-frame luma change; NaN for single-frame videos."""
@@ -227,5 +236,6 @@ class Motion(Reward):
         index = sample_frame_indices(videos.shape[1], self.frames)
         if len(index) < 2:
             return torch.full((videos.shape[0],), float("nan"), dtype=torch.float64)
-        value = frame_differences(videos[:, index.to(videos.device)], self.max_side).mean(1).cpu()
+        value = frame_differences(videos[:, index.to(videos.device)], self.max_side,
+                                  self.ignore_brightness).mean(1).cpu()
         return value if self.saturate_at is None else (value / self.saturate_at).clamp(max=1.0)

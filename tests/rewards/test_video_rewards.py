@@ -184,6 +184,22 @@ def test_motion_scores_still_moving_and_single_frame_videos():
     assert math.isnan(build_reward("motion", {})(video_batch(moving[:, :1], PROMPTS[:1])).item())
 
 
+def test_motion_ignores_whole_frame_brightness_flicker():
+    """Brightening the whole frame by c changes every pixel by c: motion 0 under ``ignore_brightness`` (the
+    default), c without it. A square moving within the frame keeps the frame's mean, so it scores the same with or
+    without the flicker laid over it."""
+    flicker = torch.tensor([0.1, 0.4, 0.1, 0.4]).view(1, 4, 1, 1, 1)
+    lit = build_reward("motion", {})(video_batch(flicker.expand(1, 4, 3, 16, 16), PROMPTS[:1]))
+    raw = build_reward("motion", {"ignore_brightness": False})(video_batch(flicker.expand(1, 4, 3, 16, 16),
+                                                                            PROMPTS[:1]))
+    assert lit.item() == pytest.approx(0.0, abs=1e-12) and raw.item() == pytest.approx(0.3)
+    square = moving_square(4, step=3) * 0.5
+    flickering = square + flicker * 0.5
+    reward = build_reward("motion", {})
+    assert reward(video_batch(flickering, PROMPTS[:1])).item() == pytest.approx(
+        reward(video_batch(square, PROMPTS[:1])).item()) == pytest.approx(2 * 3 * 8 / 32**2 * 0.5)
+
+
 def test_motion_samples_frames_and_takes_grayscale():
     videos = random_videos(2, 9, 24, 40, seed=5)
     reward = build_reward("motion", {"frames": 3})
