@@ -36,17 +36,6 @@ def tiny_cfg(kind: str, **overrides) -> FlowModelConfig:
 
 
 @pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory):
-    """Tiny pipelines built once per test session (shared with test_tiny.py), on one CPU thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MMGRPO_CACHE", str(tmp_path_factory.getbasetemp() / "mmgrpo-cache"))
-        yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def adapter_of(tiny_cache):
     """``adapter_of(kind)``: one LoRA (rank 4, alpha 8) adapter per kind for the whole module. Tests that change
     its weights restore them (see :func:`perturbed`)."""

@@ -16,17 +16,6 @@ from mmgrpo.pipelines.flow.tiny import KINDS, build_tiny_pipeline, clip_tokenize
 PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "wan": "WanPipeline"}
 
 
-@pytest.fixture(scope="module")
-def tiny_cache(tmp_path_factory):
-    """Tiny pipelines built once per test session (shared with test_adapters.py), on one CPU thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MMGRPO_CACHE", str(tmp_path_factory.getbasetemp() / "mmgrpo-cache"))
-        yield
-    torch.set_num_threads(threads)
-
-
 def test_clip_tokenizer_is_the_real_clip_bpe():
     tok = clip_tokenizer()
     assert len(tok) == 49408 and tok.model_max_length == 77
