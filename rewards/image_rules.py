@@ -8,6 +8,7 @@ inputs work and values outside [0, 1] fail with a clear message.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,19 @@ from .checks import images_or_raise
 LUMA = (0.299, 0.587, 0.114)
 STEP_TIE = 1e-9
 """grid_seams: luma steps closer than this are equal (rounding must not decide which one is an edge)."""
+CHUNK_ROWS = 4
+"""On the CPU the per-pixel rules score this many images (or videos) at a time: their float intermediates for a
+whole batch of 32 images of 256 px outgrow the caches, which made batch 32 0.4-0.7x as fast per image as batch 1."""
+
+
+def in_chunks(score: Callable[[torch.Tensor], torch.Tensor], pixels: torch.Tensor,
+              rows: int = CHUNK_ROWS) -> torch.Tensor:
+    """``score`` of (B, ...) ``pixels``, a function of each sample alone that returns (B,). On the CPU it is
+    computed ``rows`` samples at a time and concatenated, so the working set does not grow with B; on an
+    accelerator the whole batch goes in one call."""
+    if pixels.device.type != "cpu":
+        return score(pixels)
+    return torch.cat([score(chunk) for chunk in pixels.split(rows)])
 
 
 def jpeg_sizes_kb(images: torch.Tensor, quality: int = 95) -> torch.Tensor:
@@ -112,7 +126,7 @@ class Sharpness(Reward):
         self.saturate_at = saturate_at
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
-        variance = laplacian_variance(images_or_raise(batch, "sharpness"))
+        variance = in_chunks(laplacian_variance, images_or_raise(batch, "sharpness"))
         return variance if self.saturate_at is None else (variance / self.saturate_at).clamp(max=1.0)
 
 
@@ -248,8 +262,12 @@ class GridSeams(Reward):
         if min(images.shape[-2:]) < smallest:
             raise ValueError(f"grid_seams: images must be at least {smallest}x{smallest} pixels for max_panels="
                              f"{self.max_panels}; got shape {tuple(images.shape)}")
+        return in_chunks(self._score, images).cpu()
+
+    def _score(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> (B,) the better of the two axes' grid evidence."""
         luma = luminance(images.to(torch.float64))[:, 0]
-        return torch.maximum(self._axis(luma), self._axis(luma.transpose(1, 2))).cpu()
+        return torch.maximum(self._axis(luma), self._axis(luma.transpose(1, 2)))
 
 
 def detail_map(luma: torch.Tensor, width: int) -> torch.Tensor:
@@ -332,7 +350,7 @@ class TileRepetition(Reward):
         self.detail_width, self.max_side = detail_width, max_side
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
-        images = images_or_raise(batch, "tile_repetition").to(torch.float64)
+        images = images_or_raise(batch, "tile_repetition")
         height, width = images.shape[-2:]
         scale = min(1.0, self.max_side / max(height, width))
         size = (round(height * scale), round(width * scale))
@@ -340,9 +358,14 @@ class TileRepetition(Reward):
             raise ValueError(f"tile_repetition: images of shape {tuple(images.shape)} (compared at "
                              f"{size[0]}x{size[1]}) are too small for max_panels={self.max_panels}: no shift is left "
                              "off the panel offsets to compare with")
-        if scale < 1:
+        return in_chunks(lambda chunk: self._score(chunk, size), images).cpu()
+
+    def _score(self, images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """(B, 3, H, W) -> (B,) the better of the two axes' repetition evidence, compared at ``size``."""
+        images = images.to(torch.float64)
+        if size != tuple(images.shape[-2:]):
             images = F.interpolate(images, size=size, mode="area")
         detail = detail_map(luminance(images)[:, 0], self.detail_width)
         rows = repetition_evidence(detail, self.max_panels, self.tolerance)
         columns = repetition_evidence(detail.transpose(1, 2), self.max_panels, self.tolerance)
-        return torch.maximum(rows, columns).cpu()
+        return torch.maximum(rows, columns)

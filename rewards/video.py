@@ -19,7 +19,7 @@ from mmgrpo.registry import REWARDS
 from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
 from .checks import as_rgb_videos
 from .clip_models import load_open_clip, resolve_device, resolve_dtype
-from .image_rules import luminance
+from .image_rules import in_chunks, luminance
 from .preprocess import ClipPreprocess
 
 REDUCTIONS = ("mean", "min")
@@ -236,6 +236,7 @@ class Motion(Reward):
         index = sample_frame_indices(videos.shape[1], self.frames)
         if len(index) < 2:
             return torch.full((videos.shape[0],), float("nan"), dtype=torch.float64)
-        value = frame_differences(videos[:, index.to(videos.device)], self.max_side,
-                                  self.ignore_brightness).mean(1).cpu()
+        index = index.to(videos.device)
+        value = in_chunks(lambda chunk: frame_differences(chunk[:, index], self.max_side,
+                                                          self.ignore_brightness).mean(1), videos).cpu()
         return value if self.saturate_at is None else (value / self.saturate_at).clamp(max=1.0)

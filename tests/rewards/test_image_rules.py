@@ -13,7 +13,14 @@ from PIL import Image
 from torchvision.transforms.functional import gaussian_blur
 
 from mmgrpo.rewards import RewardBatch, as_rgb_images, as_rgb_videos, build_reward, completions_or_raise
-from mmgrpo.rewards.image_rules import detail_map, panel_shifts, repetition_evidence, shift_similarities
+from mmgrpo.rewards.image_rules import (
+    CHUNK_ROWS,
+    detail_map,
+    in_chunks,
+    panel_shifts,
+    repetition_evidence,
+    shift_similarities,
+)
 
 
 def image_batch(images, meta=None):
@@ -151,6 +158,32 @@ def test_jpeg_batched_equals_one_at_a_time_and_accepts_grayscale():
     assert torch.equal(whole, single)
     gray = torch.rand(2, 1, 16, 16)
     assert torch.equal(reward(image_batch(gray)), reward(image_batch(gray.repeat(1, 3, 1, 1))))
+
+
+def test_in_chunks_equals_one_call_on_the_whole_batch():
+    pixels = torch.rand(9, 3, 5, 5, dtype=torch.float64)
+    whole = pixels.flatten(1).sum(1)
+    for rows in (1, 2, 4, 9, 100):
+        torch.testing.assert_close(in_chunks(lambda chunk: chunk.flatten(1).sum(1), pixels, rows), whole)
+
+
+@pytest.mark.parametrize("name", ["sharpness", "grid_seams", "tile_repetition"])
+def test_per_pixel_rules_score_each_image_alone(name):
+    """They score CHUNK_ROWS images at a time: a batch that is not a multiple of it gives every image the score it
+    gets alone. Every other image is a 2x2 tiling (seams and copies, so both detectors score well above 0)."""
+    g = torch.Generator().manual_seed(0)
+    smooth = F.interpolate(torch.rand(9, 3, 8, 8, generator=g), size=(32, 32), mode="bilinear")
+    tiled = smooth.repeat(1, 1, 2, 2)
+    plain = F.interpolate(smooth, size=(64, 64), mode="bilinear")
+    images = torch.where(torch.arange(9)[:, None, None, None] % 2 == 1, tiled, plain).clamp(0, 1)
+    assert len(images) % CHUNK_ROWS != 0
+    reward = build_reward(name)
+    batch = image_batch(images)
+    whole = reward(batch)
+    single = torch.cat([reward(batch.select([i])) for i in range(len(images))])
+    torch.testing.assert_close(whole, single, rtol=1e-6, atol=1e-9)
+    assert whole[1::2].min() > 0.3 or name == "sharpness"
+    assert whole.std() > 0
 
 
 def test_jpeg_is_encoded_in_memory(no_file_writes):

@@ -184,6 +184,17 @@ def test_motion_scores_still_moving_and_single_frame_videos():
     assert math.isnan(build_reward("motion", {})(video_batch(moving[:, :1], PROMPTS[:1])).item())
 
 
+def test_motion_scores_each_video_alone():
+    """Scored a few videos at a time: a batch of 7 gives every video the score it gets alone."""
+    videos = torch.cat([random_videos(3, 6), moving_square(6, step=2), moving_square(6, step=0),
+                        random_videos(2, 6, seed=1)])
+    batch = RewardBatch(prompts=["p"] * 7, group=torch.zeros(7, dtype=torch.long), videos=videos)
+    reward = build_reward("motion", {"frames": 4})
+    whole = reward(batch)
+    torch.testing.assert_close(whole, torch.cat([reward(batch.select([i])) for i in range(7)]), rtol=1e-9, atol=0)
+    assert whole[4] == 0 and whole[3] > 0
+
+
 def test_motion_ignores_whole_frame_brightness_flicker():
     """Brightening the whole frame by c changes every pixel by c: motion 0 under ``ignore_brightness`` (the
     default), c without it. A square moving within the frame keeps the frame's mean, so it scores the same with or
