@@ -160,10 +160,14 @@ class ClipEmbeddingReward(Reward):
     model: nn.Module
     preprocess: ClipPreprocess
 
-    def __init__(self, device: str | torch.device | None, dtype: str | torch.dtype, text_cache_size: int):
+    def __init__(self, device: str | torch.device | None, dtype: str | torch.dtype, text_cache_size: int,
+                 batch_size: int):
+        if batch_size < 1:
+            raise ValueError(f"{self.name}: batch_size must be >= 1; got {batch_size}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
         self.text_cache = TextEmbeddingCache(text_cache_size)
+        self.batch_size = int(batch_size)
 
     def to(self, device: str | torch.device) -> ClipEmbeddingReward:
         """Move the model; cached text embeddings are dropped (they live on the old device)."""
@@ -181,10 +185,12 @@ class ClipEmbeddingReward(Reward):
         raise NotImplementedError
 
     def image_features(self, batch: RewardBatch) -> torch.Tensor:
-        """(B, D) float32 L2-normalised image embeddings of ``batch.images`` (grayscale/RGBA accepted)."""
-        images = images_or_raise(batch, self.name).to(self.device, non_blocking=True)
-        feats = self.encode_images(self.preprocess(images, self.dtype))
-        return F.normalize(feats.float(), dim=-1)
+        """(B, D) float32 L2-normalised image embeddings of ``batch.images`` (grayscale/RGBA accepted), encoded
+        ``batch_size`` images at a time."""
+        images = images_or_raise(batch, self.name)
+        feats = [self.encode_images(self.preprocess(chunk.to(self.device, non_blocking=True), self.dtype))
+                 for chunk in images.split(self.batch_size)]
+        return F.normalize(torch.cat(feats).float(), dim=-1)
 
     def text_features(self, prompts: Sequence[str]) -> torch.Tensor:
         """(B, D) float32 L2-normalised text embeddings, each distinct prompt encoded once and cached."""
@@ -222,14 +228,16 @@ class ClipScore(OpenClipReward):
         device: where the model runs; None = CUDA when available, else CPU.
         dtype: model weights' dtype: ``float32``, ``float16`` or ``bfloat16`` (scores are computed in float32).
         text_cache_size: how many prompt embeddings to keep (least recently used dropped; 0 = no cache).
+        batch_size: images per forward pass (and per copy to ``device``): a larger batch is scored in slices of
+            this size, which bounds the memory a batch of full-resolution images or video frames takes.
     """
 
     name = "clip_score"
 
     def __init__(self, model_name: str = "ViT-L-14", pretrained: str | None = "openai", scale: float = 100.0,
                  quick_gelu: bool | None = None, device: str | None = None, dtype: str = "float32",
-                 text_cache_size: int = 4096):
-        super().__init__(device, dtype, text_cache_size)
+                 text_cache_size: int = 4096, batch_size: int = 32):
+        super().__init__(device, dtype, text_cache_size, batch_size)
         self.scale = float(scale)
         self.model, self.tokenizer = load_open_clip(model_name, pretrained, self.device, quick_gelu, self.name)
         self.model.to(self.dtype)
@@ -254,14 +262,16 @@ class PickScore(ClipEmbeddingReward):
         device: where the model runs; None = CUDA when available, else CPU.
         dtype: model weights' dtype: ``float32``, ``float16`` or ``bfloat16`` (scores are computed in float32).
         text_cache_size: how many prompt embeddings to keep (least recently used dropped; 0 = no cache).
+        batch_size: images per forward pass (and per copy to ``device``): a larger batch is scored in slices of
+            this size, which bounds the memory a batch of full-resolution images or video frames takes.
     """
 
     name = "pickscore"
 
     def __init__(self, model: str = "yuvalkirstain/PickScore_v1",
                  processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", device: str | None = None,
-                 dtype: str = "float32", text_cache_size: int = 4096):
-        super().__init__(device, dtype, text_cache_size)
+                 dtype: str = "float32", text_cache_size: int = 4096, batch_size: int = 32):
+        super().__init__(device, dtype, text_cache_size, batch_size)
         from transformers import AutoProcessor, CLIPModel
 
         try:
@@ -311,14 +321,17 @@ class HPSv2(OpenClipReward):
         device: where the model runs; None = CUDA when available, else CPU.
         dtype: model weights' dtype: ``float32``, ``float16`` or ``bfloat16`` (scores are computed in float32).
         text_cache_size: how many prompt embeddings to keep (least recently used dropped; 0 = no cache).
+        batch_size: images per forward pass (and per copy to ``device``): a larger batch is scored in slices of
+            this size, which bounds the memory a batch of full-resolution images or video frames takes.
     """
 
     name = "hpsv2"
     filename = "HPS_v2_compressed.pt"
 
     def __init__(self, checkpoint: str | None = None, model_name: str = "ViT-H-14", hub_repo: str = "xswu/HPSv2",
-                 device: str | None = None, dtype: str = "float32", text_cache_size: int = 4096):
-        super().__init__(device, dtype, text_cache_size)
+                 device: str | None = None, dtype: str = "float32", text_cache_size: int = 4096,
+                 batch_size: int = 32):
+        super().__init__(device, dtype, text_cache_size, batch_size)
         path = hub_file(checkpoint, hub_repo, self.filename, self.name)
         self.checkpoint = path
         self.model, self.tokenizer = load_open_clip(model_name, path, self.device, False, self.name)
@@ -374,6 +387,8 @@ class Aesthetic(ClipEmbeddingReward):
         quick_gelu: force QuickGELU in the CLIP model; None follows the pretrained tag.
         device: where the models run; None = CUDA when available, else CPU.
         dtype: CLIP weights' dtype: ``float32``, ``float16`` or ``bfloat16`` (the MLP runs in float32).
+        batch_size: images per forward pass (and per copy to ``device``): a larger batch is scored in slices of
+            this size, which bounds the memory a batch of full-resolution images or video frames takes.
     """
 
     name = "aesthetic"
@@ -381,8 +396,8 @@ class Aesthetic(ClipEmbeddingReward):
     def __init__(self, clip_model: str = "ViT-L-14", clip_pretrained: str | None = "openai",
                  checkpoint: str | None = None, hub_repo: str = "trl-lib/ddpo-aesthetic-predictor",
                  hub_filename: str = "aesthetic-model.pth", embed_dim: int = 768, quick_gelu: bool | None = None,
-                 device: str | None = None, dtype: str = "float32"):
-        super().__init__(device, dtype, text_cache_size=0)
+                 device: str | None = None, dtype: str = "float32", batch_size: int = 32):
+        super().__init__(device, dtype, text_cache_size=0, batch_size=batch_size)
         path = hub_file(checkpoint, hub_repo, hub_filename, self.name)
         self.mlp = AestheticMLP(embed_dim)
         state = torch.load(path, map_location="cpu", weights_only=True)

@@ -56,7 +56,8 @@ class VideoFrames(Reward):
     """An image reward applied to ``frames`` sampled frames of each video, then reduced per video.
 
     All sampled frames of all videos go to the image reward in ONE call: a batch of B*F images in which each
-    video's prompt, group id and meta are repeated per frame (meta gains ``video_frame``, the frame index).
+    video's prompt, group id and meta are repeated per frame (meta gains ``video_frame``, the frame index). A
+    CLIP-family image reward encodes them its ``batch_size`` at a time.
     Sub-scores (a dict output) are reduced one by one. The score range is the image reward's.
 
     Args:
@@ -141,13 +142,19 @@ class TemporalConsistency(Reward):
         quick_gelu: force QuickGELU; None follows the pretrained tag.
         device: where the model runs; None = CUDA when available, else CPU.
         dtype: model weights' dtype: ``float32``, ``float16`` or ``bfloat16`` (similarities in float32).
+        batch_size: frames per forward pass (and per copy to ``device``), which bounds the memory of a batch of
+            long videos.
     """
 
     kind = POINTWISE
     modality = "video"
 
     def __init__(self, model_name: str = "ViT-B-32", pretrained: str | None = "openai", frames: int | None = 16,
-                 quick_gelu: bool | None = None, device: str | None = None, dtype: str = "float32"):
+                 quick_gelu: bool | None = None, device: str | None = None, dtype: str = "float32",
+                 batch_size: int = 32):
+        if batch_size < 1:
+            raise ValueError(f"temporal_consistency: batch_size must be >= 1; got {batch_size}")
+        self.batch_size = int(batch_size)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
         self.frames = None if frames is None else int(frames)
@@ -169,9 +176,10 @@ class TemporalConsistency(Reward):
         n = len(index)
         if n < 2:
             return torch.full((b,), float("nan"), dtype=torch.float64)
-        frames = videos[:, index.to(videos.device)].reshape(b * n, *videos.shape[2:]).to(self.device)
-        feats = F.normalize(self.model.encode_image(self.preprocess(frames, self.dtype)).float(), dim=-1)
-        feats = feats.view(b, n, -1)
+        frames = videos[:, index.to(videos.device)].reshape(b * n, *videos.shape[2:])
+        feats = torch.cat([self.model.encode_image(self.preprocess(chunk.to(self.device), self.dtype))
+                           for chunk in frames.split(self.batch_size)])
+        feats = F.normalize(feats.float(), dim=-1).view(b, n, -1)
         return (feats[:, 1:] * feats[:, :-1]).sum(-1).mean(1).double().cpu()
 
 

@@ -233,6 +233,25 @@ def test_batching_invariance(name, rewards):
         torch.testing.assert_close(alone, together[i:i + 1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", IMAGE_REWARDS)
+def test_images_are_encoded_batch_size_at_a_time(name, tiny_models, rewards):
+    """7 images at batch_size 3 take 3 forwards of 3, 3 and 1 images, and score as one forward of all 7 does."""
+    reward = build_reward(name, {**reward_args(name, tiny_models), "batch_size": 3})
+    original, sizes = reward.encode_images, []
+
+    def counting(pixels):
+        sizes.append(len(pixels))
+        return original(pixels)
+
+    reward.encode_images = counting
+    images, prompts = random_images(7, seed=5), (PROMPTS * 2)[:7]
+    sliced = reward(image_batch(images, prompts))
+    assert sizes == [3, 3, 1]
+    torch.testing.assert_close(sliced, rewards(name)(image_batch(images, prompts)), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        build_reward(name, {**reward_args(name, tiny_models), "batch_size": 0})
+
+
 @pytest.mark.parametrize("name", TEXT_REWARDS)
 def test_text_tower_runs_once_per_distinct_prompt(name, tiny_models):
     reward = build_reward(name, reward_args(name, tiny_models))

@@ -139,6 +139,24 @@ def test_temporal_consistency_static_changing_and_single_frame(tiny_models):
     assert torch.isnan(single).all()
 
 
+def test_temporal_consistency_encodes_batch_size_frames_at_a_time(tiny_models):
+    reward = build_reward("temporal_consistency", {**clip_args(tiny_models), "frames": None, "batch_size": 4})
+    original, sizes = reward.model.encode_image, []
+
+    def counting(pixels):
+        sizes.append(len(pixels))
+        return original(pixels)
+
+    reward.model.encode_image = counting
+    videos = random_videos(2, 5, seed=6)
+    sliced = reward(video_batch(videos, PROMPTS[:2]))
+    assert sizes == [4, 4, 2]
+    whole = build_reward("temporal_consistency", {**clip_args(tiny_models), "frames": None})
+    torch.testing.assert_close(sliced, whole(video_batch(videos, PROMPTS[:2])), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        build_reward("temporal_consistency", {**clip_args(tiny_models), "batch_size": 0})
+
+
 def test_temporal_consistency_samples_frames_and_takes_grayscale(tiny_models, no_file_writes):
     reward = build_reward("temporal_consistency", {**clip_args(tiny_models), "frames": 3})
     videos = random_videos(2, 7, 40, 48, seed=4)
