@@ -143,6 +143,14 @@ class TextEmbeddingCache:
         return out
 
 
+def encode_in_slices(encode: Callable[[torch.Tensor], torch.Tensor], preprocess: ClipPreprocess,
+                     pixels: torch.Tensor, batch_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(B, D) embeddings of (B, 3, H, W) [0, 1] ``pixels``: ``batch_size`` images per forward, each slice moved to
+    ``device`` just before it, so a batch of full-resolution images or video frames never sits there at once."""
+    return torch.cat([encode(preprocess(chunk.to(device, non_blocking=True), dtype))
+                      for chunk in pixels.split(batch_size)])
+
+
 def _pooled(output: Any) -> torch.Tensor:
     """The projected features of transformers' ``get_*_features``: a tensor (transformers 4.x) or the output's
     ``pooler_output`` (5.x)."""
@@ -187,10 +195,9 @@ class ClipEmbeddingReward(Reward):
     def image_features(self, batch: RewardBatch) -> torch.Tensor:
         """(B, D) float32 L2-normalised image embeddings of ``batch.images`` (grayscale/RGBA accepted), encoded
         ``batch_size`` images at a time."""
-        images = images_or_raise(batch, self.name)
-        feats = [self.encode_images(self.preprocess(chunk.to(self.device, non_blocking=True), self.dtype))
-                 for chunk in images.split(self.batch_size)]
-        return F.normalize(torch.cat(feats).float(), dim=-1)
+        feats = encode_in_slices(self.encode_images, self.preprocess, images_or_raise(batch, self.name),
+                                 self.batch_size, self.device, self.dtype)
+        return F.normalize(feats.float(), dim=-1)
 
     def text_features(self, prompts: Sequence[str]) -> torch.Tensor:
         """(B, D) float32 L2-normalised text embeddings, each distinct prompt encoded once and cached."""

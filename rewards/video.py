@@ -18,7 +18,7 @@ from mmgrpo.registry import REWARDS
 
 from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
 from .checks import as_rgb_videos
-from .clip_models import load_open_clip, resolve_device, resolve_dtype
+from .clip_models import encode_in_slices, load_open_clip, resolve_device, resolve_dtype
 from .image_rules import in_chunks, luminance
 from .preprocess import ClipPreprocess
 
@@ -177,8 +177,8 @@ class TemporalConsistency(Reward):
         if n < 2:
             return torch.full((b,), float("nan"), dtype=torch.float64)
         frames = videos[:, index.to(videos.device)].reshape(b * n, *videos.shape[2:])
-        feats = torch.cat([self.model.encode_image(self.preprocess(chunk.to(self.device), self.dtype))
-                           for chunk in frames.split(self.batch_size)])
+        feats = encode_in_slices(self.model.encode_image, self.preprocess, frames, self.batch_size, self.device,
+                                 self.dtype)
         feats = F.normalize(feats.float(), dim=-1).view(b, n, -1)
         return (feats[:, 1:] * feats[:, :-1]).sum(-1).mean(1).double().cpu()
 
