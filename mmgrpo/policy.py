@@ -123,6 +123,19 @@ class Policy(ABC):
         None for the rollout's width U when that does not change from rollout to rollout."""
         return None
 
+    def after_optimizer_step(self, step: int) -> None:
+        """Called after every optimiser step; ``step`` counts them from 1. For state that follows the weights (the
+        GRPO-CARE reference of the vlm pipeline); the default does nothing."""
+
+    def training_state(self) -> dict[str, torch.Tensor]:
+        """Tensors beside the weights and optimiser that a resumed run needs (e.g. a moving reference model); the
+        trainer saves them in each checkpoint (``policy_state.safetensors``) and gives them back through
+        :meth:`load_training_state`. The default has none."""
+        return {}
+
+    def load_training_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`training_state` returned."""
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 

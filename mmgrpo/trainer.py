@@ -56,6 +56,8 @@ from mmgrpo.rewards import RewardZoo
 from mmgrpo.schedule import projected_end, replanned_end, warp_schedule
 from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
 
+POLICY_STATE_FILE = "policy_state.safetensors"
+"""Checkpoint file of :meth:`Policy.training_state`, written when the policy has any."""
 SILENT_REWARD_ROLLOUTS = 10
 """Rollouts after which a reward that has given every sample the same score is reported (once per run)."""
 REPLAN_EVERY = 0.05
@@ -138,14 +140,20 @@ class Trainer:
         adapter, not the frozen base), plus the EMA shadows. Runs on every process: gathering sharded weights
         (FSDP, DeepSpeed ZeRO-3) is collective; only the main process writes."""
         self.policy.save(Path(output_dir) / "policy")
-        if self.ema is not None and self.accelerator.is_main_process:
-            save_file(self.ema.state_dict(), str(Path(output_dir) / "ema.safetensors"))
+        if self.accelerator.is_main_process:
+            if self.ema is not None:
+                save_file(self.ema.state_dict(), str(Path(output_dir) / "ema.safetensors"))
+            policy_state = self.policy.training_state()
+            if policy_state:
+                save_file(policy_state, str(Path(output_dir) / POLICY_STATE_FILE))
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         self.policy.load(Path(input_dir) / "policy")
         if self.ema is not None:
             self.ema.load_state_dict(load_file(str(Path(input_dir) / "ema.safetensors")))
+        if self.policy.training_state():
+            self.policy.load_training_state(load_file(str(Path(input_dir) / POLICY_STATE_FILE)))
         models.clear()
 
     def save_checkpoint(self) -> Path:
@@ -431,6 +439,7 @@ class Trainer:
                 if self.ema is not None:
                     self.ema.update()
                 self.step += 1
+                self.policy.after_optimizer_step(self.step)
                 metrics = ratio_stats(torch.cat(ratios), torch.cat(masks), torch.cat(clips))
                 metrics.update({
                     "loss": sums["loss"],
