@@ -16,6 +16,7 @@ __all__ = ["GROUPWISE", "POINTWISE", "AccuracyReward", "Aesthetic", "ClipPreproc
            "Sharpness", "TemporalConsistency", "TemporalIoU", "TextEmbeddingCache", "VideoFrames", "WinRate",
            "as_rgb_images", "as_rgb_videos", "build_reward", "completions_or_raise", "pairwise_win_rate",
            "trl_reward"]
+from . import consistency_bonus as consistency_bonus
 from . import remote as remote
 from . import shapes_eval as shapes_eval
 from . import temporal_bonus as temporal_bonus

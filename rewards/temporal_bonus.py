@@ -10,16 +10,15 @@ right at one prompt per device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mmgrpo.registry import REWARDS
 
-from .base import GROUPWISE, Reward, RewardBatch
+from .base import GROUPWISE, RewardBatch
 from .checks import completions_or_raise
-from .text_rules import AccuracyReward
+from .text_rules import RolloutAccuracyBonus
 
 SHUFFLED_ACC_KEY = "tgrpo_shuffled_acc"
 """Meta key holding the group's mean accuracy on shuffled frames; absent or NaN for non-video samples."""
@@ -56,7 +55,7 @@ def temporal_bonus(correct: torch.Tensor, group: torch.Tensor, shuffled_acc: tor
 
 @REWARDS.register("temporal_bonus", kind=GROUPWISE, modality="text",
                   description="T-GRPO: +alpha to correct answers of groups that beat mu x their shuffled-frame accuracy")
-class TemporalBonus(Reward):
+class TemporalBonus(RolloutAccuracyBonus):
     """The T-GRPO bonus of :func:`temporal_bonus`, per prompt group. Needs ``tgrpo.enabled`` in the vlm pipeline,
     which fills ``meta["tgrpo_shuffled_acc"]``; samples without it (images, text) score NaN (does not apply).
 
@@ -71,21 +70,12 @@ class TemporalBonus(Reward):
             rollouts with the same arguments.
     """
 
-    kind = GROUPWISE
-    modality = "text"
-    rollout_only = True
-
-    @classmethod
-    def components(cls, args: dict[str, Any]) -> list[tuple[str | None, str, Callable[[], Any]]]:
-        """The ``accuracy`` reward (see :meth:`Reward.components`)."""
-        return [(None, "accuracy_args", lambda: AccuracyReward)]
-
     def __init__(self, alpha: float = 0.3, mu: float = 0.8, threshold: float = 0.1,
                  accuracy_args: dict[str, Any] | None = None):
         if alpha < 0 or mu < 0:
             raise ValueError(f"temporal_bonus: alpha and mu must be >= 0; got alpha {alpha} mu {mu}")
         self.alpha, self.mu, self.threshold = float(alpha), float(mu), float(threshold)
-        self.accuracy = AccuracyReward(**(accuracy_args or {}))
+        super().__init__(accuracy_args)
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         completions_or_raise(batch, "temporal_bonus")

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jiwer
@@ -23,7 +23,7 @@ import torch
 
 from mmgrpo.registry import REWARDS
 
-from .base import POINTWISE, Reward, RewardBatch
+from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
 from .checks import completions_or_raise
 
 PROBLEM_TYPES = ("multiple choice", "numerical", "OCR", "free-form", "regression")
@@ -40,10 +40,17 @@ def canonical_problem_type(name: str) -> str | None:
     return _TYPE_ALIASES.get(re.sub(r"[\s_\-]+", " ", str(name).strip().lower()))
 
 
+def last_tagged_span(text: str, tag: str = "answer") -> tuple[int, int] | None:
+    """(start, end) character offsets of the content of the last ``<tag>...</tag>`` block of ``text``, tags
+    excluded; None when there is none."""
+    found = list(re.finditer(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL))
+    return found[-1].span(1) if found else None
+
+
 def last_tagged(text: str, tag: str = "answer") -> str | None:
     """The stripped content of the last ``<tag>...</tag>`` block of ``text``; None when there is none."""
-    found = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
-    return found[-1].strip() if found else None
+    span = last_tagged_span(text, tag)
+    return text[span[0]:span[1]].strip() if span is not None else None
 
 
 def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer") -> str:
@@ -297,6 +304,24 @@ class AccuracyReward(Reward):
             pred = last_tagged(text, self.answer_tag)
             scores.append(rule(pred, gt) if pred else 0.0)
         return torch.tensor(scores, dtype=torch.float64)
+
+
+class RolloutAccuracyBonus(Reward):
+    """Base of the groupwise bonuses on correct answers that read what the vlm pipeline adds to its training
+    rollouts' meta (T-GRPO's shuffled-frame accuracy, GRPO-CARE's answer likelihoods): correctness is judged by
+    ``self.accuracy``, an ``accuracy`` reward built from ``accuracy_args``; held-out evaluation leaves them out."""
+
+    kind = GROUPWISE
+    modality = "text"
+    rollout_only = True
+
+    @classmethod
+    def components(cls, args: dict[str, Any]) -> list[tuple[str | None, str, Callable[[], Any]]]:
+        """The ``accuracy`` reward (see :meth:`Reward.components`)."""
+        return [(None, "accuracy_args", lambda: AccuracyReward)]
+
+    def __init__(self, accuracy_args: dict[str, Any] | None = None):
+        self.accuracy = AccuracyReward(**(accuracy_args or {}))
 
 
 @REWARDS.register("length", kind=POINTWISE, modality="text",

@@ -172,6 +172,25 @@ class TGRPOConfig:
 
 
 @dataclass
+class CAREConfig:
+    """GRPO-CARE consistency bonus (arXiv:2506.16141): an EMA reference judges whether each answer follows from its
+    reasoning (``pipelines/vlm/care.py``); pair it with the ``consistency_bonus`` reward and ``grpo.kl_beta: 0``."""
+
+    enabled: bool = False
+    """Score every rollout's answer likelihood under the EMA reference (needs one ``consistency_bonus`` reward)."""
+    ema_decay: float = ranged(0.995, low=0, high=1, high_open=True)
+    """Reference update ``ref = decay * ref + (1 - decay) * policy`` of the trainable weights (GRPO-CARE: 0.995).
+    The reference starts as the initial policy and holds one fp32 copy of the trainable weights (the adapter only,
+    with LoRA)."""
+    update_every: int = ranged(10, low=1)
+    """Optimiser steps between reference updates (GRPO-CARE: 10)."""
+    offload: bool = False
+    """Keep the reference in CPU memory instead of beside the model: no accelerator memory for it (4 bytes per
+    trainable parameter, plus the raw weights while the reference scores a rollout), for about three copies of
+    the trainable weights between devices per step. For full fine-tuning of 7B-class models."""
+
+
+@dataclass
 class VLMConfig(BaseConfig):
     """``pipeline: vlm``: GRPO for vision-language reasoning on images and videos."""
 
@@ -181,6 +200,7 @@ class VLMConfig(BaseConfig):
     video: VLMVideoConfig = field(default_factory=VLMVideoConfig)
     generation: VLMGenerationConfig = field(default_factory=VLMGenerationConfig)
     tgrpo: TGRPOConfig = field(default_factory=TGRPOConfig)
+    care: CAREConfig = field(default_factory=CAREConfig)
     prefix_grouper: bool = True
     """Training forward encodes each group's shared prompt (text + vision tokens) once (Prefix Grouper)."""
 

@@ -25,9 +25,10 @@ import torch
 from accelerate import PartialState
 
 from mmgrpo.config import ConfigError, check_ranges
+from mmgrpo.ema import EMA
 from mmgrpo.errors import RunError
 from mmgrpo.grpo import kl_estimate
-from mmgrpo.pipelines.vlm import tgrpo
+from mmgrpo.pipelines.vlm import care, tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
 from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, read_task_split, render_prompt, reward_meta
 from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
@@ -44,6 +45,7 @@ from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled
 from mmgrpo.pipelines.vlm.whole_weights import whole_weights
 from mmgrpo.policy import LogProbs, Policy, Rollout, any_process
 from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
+from mmgrpo.rewards.consistency_bonus import LIKELIHOOD_KEY
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
 from mmgrpo.rewards.text_rules import PROBLEM_TYPES
 from mmgrpo.rewards.zoo import RewardError
@@ -144,6 +146,7 @@ def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
                           "'model.attn_implementation' to sdpa (its memory-efficient kernel takes the mask) or "
                           "prefix_grouper=false")
     check_video_config(cfg.video)
+    care.bonus_spec(cfg)
 
 
 class VLMPolicy(Policy):
@@ -157,6 +160,10 @@ class VLMPolicy(Policy):
         keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
         self.vlm = VLMModel(cfg.model, PartialState().device, keep_reference=keep_reference)
         self.model = self.vlm.model
+        trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.care_reference = EMA(trainable, cfg.care.ema_decay, "cpu" if cfg.care.offload else None) \
+            if cfg.care.enabled else None
+        """GRPO-CARE's reference (:mod:`.care`): an EMA of the trainable weights, swapped in to score answers."""
         # generation.backend: vllm -> training rollouts sample through a colocated engine, built at the first rollout
         self.sampler = VLLMSampler(cfg, self.vlm, media_limits(self.train_items)) \
             if cfg.generation.backend == "vllm" else None
@@ -361,6 +368,13 @@ class VLMPolicy(Policy):
         data = {"prompts": prompts, "ids": all_ids, "mask": all_mask, "prompt_index": prompt_index}
         trained = all_mask & ~all_truncated[:, None] if cfg.generation.mask_truncated else all_mask
         counters.update(self._token_counters(data, all_truncated, rollout_tokens))
+        if self.care_reference is not None:
+            likelihood = self._answer_likelihoods(data)
+            for m, value in zip(meta, likelihood.tolist()):
+                m[LIKELIHOOD_KEY] = value
+            found = ~likelihood.isnan()
+            counters["care/answer_found_frac"] = found.double().mean().item()
+            counters["care/answer_likelihood"] = likelihood[found].mean().item() if found.any() else math.nan
         if self.sampler is not None:
             counters.update(self.sampler.rollout_counters())
         if self.accuracy is not None:
@@ -374,6 +388,29 @@ class VLMPolicy(Policy):
                             group=group, completions=texts, meta=meta)
         return Rollout(group=group.to(self.vlm.device), old_logp=old, mask=trained, reward_batch=batch, data=data,
                        counters=dict(counters), recompute_old_logp=True)
+
+    @torch.no_grad()
+    def _answer_likelihoods(self, data: dict[str, Any]) -> torch.Tensor:
+        """(N,) float64 GRPO-CARE answer likelihoods of a rollout's completions (:func:`care.answer_likelihood`)
+        under the EMA reference, through the training forward in ``train.micro_batch_size`` chunks."""
+        model = self.unwrapped_model()
+        with self.care_reference.swapped_in():
+            logp = torch.cat([self._logprobs(model, data, rows) for rows in
+                              torch.arange(len(data["ids"])).split(self.cfg.train.micro_batch_size)])
+        answer = care.answer_token_mask(self.vlm.tokenizer, data["ids"], data["mask"]).to(logp.device)
+        return care.answer_likelihood(logp, answer).cpu()
+
+    def after_optimizer_step(self, step: int) -> None:
+        """Move the GRPO-CARE reference toward the policy every ``care.update_every`` optimiser steps."""
+        if self.care_reference is not None and step % self.cfg.care.update_every == 0:
+            self.care_reference.update()
+
+    def training_state(self) -> dict[str, torch.Tensor]:
+        """The GRPO-CARE reference's weights (trainable parameter name -> fp32 tensor), if CARE is on."""
+        return self.care_reference.state_dict() if self.care_reference is not None else {}
+
+    def load_training_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.care_reference.load_state_dict(state)
 
     def max_units(self) -> int:
         """``generation.max_new_tokens``: a rollout's width is its longest completion, which varies."""
@@ -483,6 +520,9 @@ class VLMPolicy(Policy):
         super().setup(accelerator)
         if not self.sharded:
             return
+        if self.care_reference is not None:
+            raise ConfigError("bad value for 'care.enabled': the GRPO-CARE reference keeps a whole copy of the "
+                              "trainable weights, which FSDP and DeepSpeed ZeRO-3 shard; use DDP or ZeRO-2")
         plugin = getattr(accelerator.state, "fsdp_plugin", None)
         if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
             raise ConfigError("the vlm pipeline samples through the model itself, which FSDP1 hides inside its "

@@ -1,5 +1,6 @@
 """Acceptance: the tiny vlm presets train the shipped model end to end through the CLI, on policy, with token
-counters; every vlm preset (the GPU recipes included) loads and passes the policy's config checks."""
+counters and their algorithm's keys; every vlm preset (the GPU recipes included) loads and passes the policy's
+config checks."""
 
 import json
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mmgrpo.config import load_config
-from mmgrpo.pipelines.vlm import tgrpo
+from mmgrpo.pipelines.vlm import care, tgrpo
 from mmgrpo.pipelines.vlm.policy import check_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +23,7 @@ TOKEN_KEYS = {"tokens/prompt", "tokens/vision", "tokens/completion", "tokens/tru
 @pytest.mark.parametrize("preset, extra_keys", [
     ("tiny_video_tgrpo", {"tgrpo/pass_frac", "tgrpo/shuffled_acc", "reward/temporal_bonus/mean", "tokens/shuffled"}),
     ("tiny_image", {"reward/format/mean", "reward/accuracy/mean"}),
+    ("tiny_image_care", {"care/answer_likelihood", "care/answer_found_frac", "reward/consistency_bonus/mean"}),
 ])
 def test_tiny_preset_trains_on_policy(tmp_path, preset, extra_keys):
     out = tmp_path / preset
@@ -50,6 +52,7 @@ def test_every_preset_loads_and_checks(preset):
     assert cfg.pipeline == "vlm"
     check_config(cfg)
     assert (tgrpo.bonus_spec(cfg) is not None) == cfg.tgrpo.enabled
+    assert (care.bonus_spec(cfg) is not None) == cfg.care.enabled
     if not preset.stem.startswith(("tiny", "demo")):  # CPU presets; GPU recipes must cite their sources
         text = preset.read_text()
         assert "Hardware:" in text and "Sources" in text  # recipes say what they assume and where numbers come from
