@@ -156,6 +156,8 @@ def _cases(models: dict[str, tuple[str, dict[str, Any]]]) -> list[Case]:
         Case("length", "rule (characters)", {"max_len": 256}, "text"),
         Case("temporal_iou", "rule (interval IoU)", {}, "text", {"solution": [2.0, 6.5]}, interval),
         Case("temporal_bonus", "rule (accuracy + group test)", {}, "text", {**CHOICE, "tgrpo_shuffled_acc": 0.25}),
+        Case("consistency_bonus", "rule (accuracy + group selection)", {}, "text",
+             {**CHOICE, "care_answer_likelihood": 0.9}),
         Case("jpeg_compressibility", "rule (in-memory JPEG)", {}, "image"),
         Case("jpeg_incompressibility", "rule (in-memory JPEG)", {}, "image"),
         Case("sharpness", "rule (Laplacian)", {}, "image"),
