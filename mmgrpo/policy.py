@@ -123,6 +123,12 @@ class Policy(ABC):
         None for the rollout's width U when that does not change from rollout to rollout."""
         return None
 
+    def merge_groups(self, rollouts: list[Rollout], rows: list[torch.Tensor]) -> Rollout:
+        """One rollout of ``rollouts[i]``'s ``rows[i]`` (whole groups, in order), for dynamic sampling's refill
+        (``grpo.refill_rounds``). Counters that count work (tokens sampled, items skipped) are summed over all of
+        ``rollouts``, the rest describe the merged batch or are averaged. Pipelines without it raise."""
+        raise NotImplementedError(f"{type(self).__name__} cannot merge rollouts (grpo.refill_rounds)")
+
     def after_optimizer_step(self, step: int) -> None:
         """Called after every optimiser step; ``step`` counts them from 1. For state that follows the weights (the
         GRPO-CARE reference of the vlm pipeline); the default does nothing."""

@@ -113,6 +113,12 @@ class Trainer:
             raise ConfigError("bad value for 'train.ema_decay': the EMA keeps full copies of the parameters, which "
                               "FSDP and DeepSpeed ZeRO-3 shard; set it to 0 or use DDP or ZeRO-2")
         self.ema = EMA(named, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
+        if cfg.grpo.refill_rounds and not cfg.grpo.mask_zero_std_groups:
+            raise ConfigError("bad value for 'grpo.refill_rounds': refilling replaces the groups that "
+                              "grpo.mask_zero_std_groups leaves out; set grpo.mask_zero_std_groups: true")
+        if cfg.grpo.refill_rounds and type(self.policy).merge_groups is Policy.merge_groups:
+            raise ConfigError(f"bad value for 'grpo.refill_rounds': the {cfg.pipeline} pipeline cannot merge "
+                              "rollouts; set it to 0 (grpo.mask_zero_std_groups still masks the groups)")
         acc.register_save_state_pre_hook(self._save_hook)
         acc.register_load_state_pre_hook(self._load_hook)
 
@@ -288,6 +294,59 @@ class Trainer:
         rollout.sample_mask = rollout.sample_mask & local_keep.to(rollout.sample_mask.device)
         unit_adv = self.policy.unit_advantages(rollout, local_adv, combined[lo:lo + n])
         return unit_adv.float(), stats
+
+    def _signal_rows(self, main: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+        """(N,) bool: the sample's group carries a signal (:func:`no_signal_groups` of the (N, R) rewards)."""
+        return ~no_signal_groups(main, self.rewards.weights, group.to(main.device), self.cfg.reward_aggregation)
+
+    def refill(self, rollout: Rollout, main: torch.Tensor,
+               logged: dict[str, torch.Tensor]) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], dict]:
+        """DAPO's dynamic sampling refill (``grpo.refill_rounds``): roll out more rounds of prompts while any
+        process has fewer groups with signal than it rolled out in the first round, then keep that many groups on
+        each process, those with signal first and in sampling order (every process keeps as many rows, so their
+        updates stay in step). Returns the merged rollout, its (N, R) rewards and logged scores, and metrics.
+
+        Every process runs every round (rewards and sharded forwards may be collective); a group's signal is
+        decided by its own rewards, which live on one process."""
+        cfg, acc = self.cfg, self.accelerator
+        rollouts, mains, loggeds = [rollout], [main], [logged]
+        signal = [self._signal_rows(main, rollout.group)]
+        share = len(rollout.group.unique())
+
+        def groups_with_signal() -> int:
+            return sum(len(r.group[s.to(r.group.device)].unique()) for r, s in zip(rollouts, signal))
+
+        rounds = 0
+        while rounds < cfg.grpo.refill_rounds and self._on_any_process(groups_with_signal() < share):
+            items_idx, group_ids = self.sampler.next()
+            with torch.no_grad(), acc.autocast():
+                extra = self.policy.rollout([self.train_items[i] for i in items_idx], group_ids,
+                                            cfg.train.group_size)
+            extra_main, extra_logged, _ = self.rewards(extra.reward_batch)
+            rollouts.append(extra)
+            mains.append(extra_main)
+            loggeds.append(extra_logged)
+            signal.append(self._signal_rows(extra_main, extra.group))
+            rounds += 1
+        if rounds == 0:  # nothing sampled to replace a group with
+            return rollout, main, logged, {"dynamic/rounds": 0.0, "dynamic/groups_sampled": float(share),
+                                           "dynamic/signal_frac": groups_with_signal() / share}
+        candidates = []  # (no signal, round, rows of the group): a stable sort puts groups with signal first
+        for k, (r, s) in enumerate(zip(rollouts, signal)):
+            group = r.group.cpu()
+            for gid in group.unique_consecutive().tolist():
+                rows = (group == gid).nonzero().flatten()
+                candidates.append((not bool(s[rows[0]]), k, rows))
+        kept = sorted(candidates, key=lambda c: c[0])[:share]
+        rows = [torch.cat([c[2] for c in kept if c[1] == k] or [torch.zeros(0, dtype=torch.long)])
+                for k in range(len(rollouts))]
+        merged = self.policy.merge_groups(rollouts, rows)
+        main = torch.cat([m[r.to(m.device)] for m, r in zip(mains, rows)])
+        logged = {name: torch.cat([lg[name][r.to(lg[name].device)] for lg, r in zip(loggeds, rows)])
+                  for name in logged}
+        stats = {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(len(candidates)),
+                 "dynamic/signal_frac": sum(not c[0] for c in kept) / share}
+        return merged, main, logged, stats
 
     def check_silent_rewards(self, rewards: torch.Tensor) -> None:
         """Warn once, at the ``SILENT_REWARD_ROLLOUTS``-th rollout of this run, about every reward that has given
@@ -599,10 +658,15 @@ class Trainer:
                 t1 = time.perf_counter()
                 main, logged, _ = self.rewards(rollout.reward_batch)
                 t2 = time.perf_counter()
+                iteration_metrics = {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1}
+                if cfg.grpo.refill_rounds:  # more rounds of rollouts and rewards, timed apart
+                    rollout, main, logged, refill_stats = self.refill(rollout, main, logged)
+                    iteration_metrics.update(refill_stats)
+                    iteration_metrics["time/refill_s"] = time.perf_counter() - t2
+                    t2 = time.perf_counter()
                 unit_adv, adv_stats = self.compute_advantages(rollout, main)
-                iteration_metrics = self._reward_metrics(main, logged)
+                iteration_metrics.update(self._reward_metrics(main, logged))
                 iteration_metrics.update(adv_stats)
-                iteration_metrics.update({"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1})
                 rows: list[dict[str, float]] = []
                 self.train_on_rollout(rollout, unit_adv, rows.append)
                 iteration_metrics.update(rollout.counters)  # after training, which may add to them

@@ -71,6 +71,20 @@ class RewardBatch:
             meta=[self.meta[i] for i in rows],
         )
 
+    @staticmethod
+    def concat(batches: Sequence[RewardBatch]) -> RewardBatch:
+        """One batch of ``batches`` in order; a field must be set in all of them or in none."""
+        def joined(name: str) -> Any:
+            values = [getattr(b, name) for b in batches]
+            if all(v is None for v in values):
+                return None
+            if any(v is None for v in values):
+                raise ValueError(f"cannot concatenate reward batches: '{name}' is set in some and not in others")
+            return torch.cat(values) if isinstance(values[0], torch.Tensor) else [x for v in values for x in v]
+
+        return RewardBatch(prompts=joined("prompts"), group=joined("group"), images=joined("images"),
+                           videos=joined("videos"), completions=joined("completions"), meta=joined("meta"))
+
 
 class Reward:
     """Base class for rewards that hold state (a loaded model). Load once in ``__init__``; score in ``__call__``.

@@ -389,6 +389,42 @@ class VLMPolicy(Policy):
         return Rollout(group=group.to(self.vlm.device), old_logp=old, mask=trained, reward_batch=batch, data=data,
                        counters=dict(counters), recompute_old_logp=True)
 
+    def merge_groups(self, rollouts: list[Rollout], rows: list[torch.Tensor]) -> Rollout:
+        """``rows[i]`` (whole groups) of each of ``rollouts``, in order, as one rollout (``grpo.refill_rounds``):
+        their prompts, completions (right-padded to the longest) and meta. Counters: the ``tokens/*`` of the merged
+        batch, work counters (``tokens/rollout``, ``tokens/shuffled``, ``data/*``, ``tgrpo/video_groups``) summed
+        over every rollout, the other rates averaged over them."""
+        parts = [(r, i.to(r.group.device)) for r, i in zip(rollouts, rows) if len(i)]
+        width = max(r.data["ids"].shape[1] for r, _ in parts)
+        device = parts[0][0].group.device
+
+        def padded(t: torch.Tensor, value: float | bool) -> torch.Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        prompts, index, ids, masks, old, trained, batches = [], [], [], [], [], [], []
+        for r, i in parts:
+            used, local = r.data["prompt_index"][i].unique(return_inverse=True)
+            index.append(local + len(prompts))
+            prompts += [r.data["prompts"][j] for j in used.tolist()]
+            ids.append(padded(r.data["ids"][i], self.vlm.pad_token_id))
+            masks.append(padded(r.data["mask"][i], False))
+            old.append(padded(r.old_logp[i], 0.0))
+            trained.append(padded(r.mask[i], False))
+            batches.append(r.reward_batch.select(i.tolist()))
+        data = {"prompts": prompts, "ids": torch.cat(ids), "mask": torch.cat(masks),
+                "prompt_index": torch.cat(index).to(device)}
+        work = {"tokens/rollout", "tokens/shuffled", "tgrpo/video_groups", *SKIP_COUNTERS}
+        counters = {}
+        for key in {k for r in rollouts for k in r.counters}:
+            values = [r.counters[key] for r in rollouts if key in r.counters]
+            counters[key] = sum(values) if key in work else sum(values) / len(values)
+        batch = RewardBatch.concat(batches)
+        truncated = torch.tensor([bool(m["truncated"]) for m in batch.meta])
+        counters.update({k: v for k, v in self._token_counters(data, truncated, 0).items() if k != "tokens/rollout"})
+        return Rollout(group=torch.cat([r.group[i] for r, i in parts]), old_logp=torch.cat(old),
+                       mask=torch.cat(trained), reward_batch=batch, data=data, counters=counters,
+                       sample_mask=torch.cat([r.sample_mask[i] for r, i in parts]), recompute_old_logp=True)
+
     @torch.no_grad()
     def _answer_likelihoods(self, data: dict[str, Any]) -> torch.Tensor:
         """(N,) float64 GRPO-CARE answer likelihoods of a rollout's completions (:func:`care.answer_likelihood`)

@@ -288,6 +288,45 @@ def test_two_processes_gather_whole_groups_and_stay_in_sync(tmp_path, support_en
     budget = result["time_budget"]  # rank 1 is slower: its clock ends the run for both
     assert budget["steps"][0] == budget["steps"][1] and 1 <= budget["steps"][0] < 1000, budget
     assert budget["param_rank_diff"] == 0.0
+    refill = result["refill"]  # every rank ran the same rounds and kept its share: the weights stayed equal
+    assert refill["param_rank_diff"] == 0.0 and len(refill["rounds"]) == 4 and sum(refill["rounds"]) > 0, refill
+    # both drew every round's prompts, so their samplers agree (4 steps plus the rounds)
+    assert refill["sampler_steps"] == [4 + sum(refill["rounds"])] * 2, refill
+    assert all(0.5 <= f <= 1.0 for f in refill["signal_frac"]), refill
+
+
+def test_refill_replaces_groups_without_signal_with_freshly_sampled_ones(tmp_path):
+    # one token from two arms, pairs: half the groups agree on average (no signal)
+    common = ("toy.seq_len=1", "toy.num_arms=2", "train.group_size=2", "train.prompts_per_step=4",
+              "train.micro_batch_size=8", "grpo.mask_zero_std_groups=true", "train.max_steps=6")
+    history = Trainer(toy(tmp_path / "refill", *common, "grpo.refill_rounds=8")).train()
+    rounds = [r["dynamic/rounds"] for r in history]
+    assert all(r["dynamic/signal_frac"] == 1.0 for r in history)  # 8 rounds make a miss vanishingly rare
+    assert sum(rounds) > 0 and all(r["dynamic/groups_sampled"] == 4 * (1 + n) for r, n in zip(history, rounds))
+    # every trained group varies: the std within groups is that of a fair pair, never 0 for a kept group
+    assert all(r["reward/std_within_group"] > 0 for r in history)
+    masked = Trainer(toy(tmp_path / "mask", *common)).train()
+    assert "dynamic/rounds" not in masked[0]
+    # a reward that never varies: every round is spent, nothing has signal, and the step is masked, not stalled
+    never = Trainer(toy(tmp_path / "never", *common, "grpo.refill_rounds=2",
+                        'rewards=[{name: "toy_bandit:constant_reward"}]')).train()
+    assert [r["dynamic/rounds"] for r in never] == [2.0] * 6 and all(r["dynamic/signal_frac"] == 0 for r in never)
+
+
+def test_refill_needs_the_mask_and_a_policy_that_merges(tmp_path):
+    from toy_bandit import ToyPolicy
+
+    from mmgrpo.policy import Policy
+
+    with pytest.raises(ConfigError, match="set grpo.mask_zero_std_groups: true"):
+        Trainer(toy(tmp_path / "a", "grpo.refill_rounds=1"))
+
+    class NoMerge(ToyPolicy):
+        merge_groups = Policy.merge_groups
+
+    cfg = toy(tmp_path / "b", "grpo.refill_rounds=1", "grpo.mask_zero_std_groups=true")
+    with pytest.raises(ConfigError, match="cannot merge rollouts"):
+        Trainer(cfg, policy=NoMerge(cfg))
 
 
 def test_in_loop_evaluation_logs_heldout_scores_and_samples(tmp_path):

@@ -1,6 +1,7 @@
 """Run under ``accelerate launch --multi_gpu --num_processes 2``: checks that advantages on gathered groups equal
 the one-process computation, that one optimiser step leaves identical parameters on every rank, and that a time
-budget (``train.max_minutes``) stops every rank at the same step.
+budget (``train.max_minutes``) stops every rank at the same step, and that dynamic sampling's refill keeps the ranks
+in step.
 
 Usage: ddp_check.py OUT.json RUN_DIR
 """
@@ -82,4 +83,26 @@ if acc.is_main_process:
     with open(out_path, "w") as f:
         json.dump(summary, f)
 acc.wait_for_everyone()
-trainer.close()
+
+# dynamic sampling's refill: the processes draw different groups, so each would want another number of rounds;
+# they must run as many, keep as many rows, and end with the same parameters
+refill_cfg = load_config(None, [f"output_dir={run_dir}-refill", "train.prompts_per_step=4", "train.group_size=2",
+                                "train.micro_batch_size=4", "toy.seq_len=1", "toy.num_arms=2",
+                                "grpo.mask_zero_std_groups=true", "grpo.refill_rounds=6", "train.max_steps=4",
+                                "optim.lr=0.05", "logging.progress=false"], schema=ToyConfig)
+trainer.policy.model = acc.unwrap_model(trainer.policy.model)  # done with it: its DDP wrapper holds the group
+refill = Trainer(refill_cfg, accelerator=acc)
+history = refill.train()
+sampler_steps = acc.gather(torch.tensor([refill.sampler.steps])).cpu()
+params = acc.gather(torch.cat([p.detach().flatten() for p in acc.unwrap_model(refill.policy.model).parameters()])[None])
+if acc.is_main_process:
+    with open(out_path) as f:
+        summary = json.load(f)
+    summary["refill"] = {"rounds": [r["dynamic/rounds"] for r in history],
+                         "signal_frac": [r["dynamic/signal_frac"] for r in history],
+                         "param_rank_diff": (params[0] - params[1]).abs().max().item(),
+                         "sampler_steps": sampler_steps.tolist()}
+    with open(out_path, "w") as f:
+        json.dump(summary, f)
+acc.wait_for_everyone()
+refill.close()

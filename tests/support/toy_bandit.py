@@ -113,6 +113,18 @@ class ToyPolicy(Policy):
             kl = None if kl is None else kl[:, units]
         return LogProbs(logp=logp, kl=kl)
 
+    def merge_groups(self, rollouts: list[Rollout], rows: list[torch.Tensor]) -> Rollout:
+        """The chosen rows of each rollout, in order (``grpo.refill_rounds``); completions all have seq_len tokens."""
+        def cat(get) -> torch.Tensor:
+            return torch.cat([get(r)[i] for r, i in zip(rollouts, rows)])
+
+        batch = RewardBatch.concat([r.reward_batch.select(i.tolist()) for r, i in zip(rollouts, rows)])
+        return Rollout(group=cat(lambda r: r.group), old_logp=cat(lambda r: r.old_logp), mask=cat(lambda r: r.mask),
+                       reward_batch=batch, data={"index": cat(lambda r: r.data["index"]),
+                                                 "tokens": cat(lambda r: r.data["tokens"]),
+                                                 "nan": any(r.data["nan"] for r in rollouts)},
+                       counters={"tokens/completion": sum(r.counters["tokens/completion"] for r in rollouts)})
+
     def generate(self, items: list[dict]) -> RewardBatch:
         index = torch.tensor([it["index"] for it in items])
         with torch.no_grad():

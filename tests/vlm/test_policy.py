@@ -135,6 +135,27 @@ def test_kl_is_zero_at_init_and_positive_after_an_update_with_lora(lora_policy):
                 p.copy_(s)
 
 
+def test_merged_groups_keep_their_tokens_logprobs_and_meta(lora_policy):
+    """Dynamic sampling's refill merges groups of several rollouts (different prompts, completion widths)."""
+    policy = lora_policy
+    g = policy.cfg.train.group_size
+    first, second = rollout_of(policy, policy.train_items[:2]), rollout_of(policy, policy.train_items[2:4])
+    second.group = second.group + 2  # the sampler's ids are unique over a run
+    rows = [torch.arange(g, 2 * g), torch.arange(2 * g)]  # the second group of the first, both of the second
+    merged = policy.merge_groups([first, second], rows)
+    assert merged.group.tolist() == [1] * g + [2] * g + [3] * g and len(merged.data["prompts"]) == 3
+    assert merged.reward_batch.completions == first.reward_batch.completions[g:] + second.reward_batch.completions
+    expected = torch.cat([relogp(policy, first)[0][g:], relogp(policy, second)[0]])
+    got = relogp(policy, merged)[0]
+    for row, (a, b) in enumerate(zip(got, expected)):
+        n = int(merged.data["mask"][row].sum())
+        torch.testing.assert_close(a[:n], b[:n], atol=1e-5, rtol=0)  # the same tokens under the same prompt
+    assert not merged.data["mask"][:, max(first.data["ids"].shape[1], second.data["ids"].shape[1]):].any()
+    c = merged.counters
+    assert c["tokens/rollout"] == first.counters["tokens/rollout"] + second.counters["tokens/rollout"]
+    assert c["tokens/completion"] == pytest.approx(merged.data["mask"].sum(1).float().mean().item())
+
+
 def test_truncated_completions_are_masked(lora_policy):
     policy = lora_policy
     items = policy.train_items[:2]
@@ -347,6 +368,19 @@ def test_loss_options_start_on_policy_and_stay_finite(tmp_path, overrides):
     # has a gradient at init; with k2 a group of equal rewards may leave them in place)
     assert history[1]["ratio/max_dev"] > 0 or history[0]["grad_norm"] == 0
     assert "k1" not in str(overrides) or history[1]["ratio/max_dev"] > 0
+
+
+def test_refill_trains_on_a_rollout_merged_from_several_rounds(tmp_path):
+    # the random model never writes the tags, so every group of the format reward lacks signal: both refill rounds
+    # run and the merged rollout (three rounds' groups, each process's share kept) is what the update sees
+    cfg = config(tmp_path, overrides=("grpo.mask_zero_std_groups=true", "grpo.refill_rounds=2", "train.max_steps=2",
+                                      "generation.mask_truncated=false", "grpo.kl_beta=0.1"))
+    cfg.rewards = [r for r in cfg.rewards if r.name == "format"]
+    _, history = run_trainer(cfg)
+    assert [r["dynamic/rounds"] for r in history] == [2.0, 2.0]
+    assert [r["dynamic/groups_sampled"] for r in history] == [6.0, 6.0]  # 2 prompts per round
+    assert all(r["dynamic/signal_frac"] == 0 for r in history)
+    assert history[0]["ratio/onpolicy_max_dev"] <= 1e-5  # old log-probs of the merged rows, from its forward
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # raised inside PEFT
