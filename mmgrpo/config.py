@@ -208,6 +208,21 @@ class RewardSpec:
     """Keyword arguments for the reward's constructor."""
 
 
+def switched_reward(rewards: list[RewardSpec], name: str, enabled: bool, switch: str) -> tuple[int, RewardSpec] | None:
+    """(index, spec) of the one ``rewards`` entry named ``name`` when the option ``switch`` is on; None when it is
+    off. For a reward that only an option of the pipeline feeds (T-GRPO's and GRPO-CARE's bonuses): the reward
+    without the option would always be NaN, and the option without the reward would work for nothing, so either
+    is a ConfigError, as is more than one such entry."""
+    found = [(i, s) for i, s in enumerate(rewards) if s.name == name]
+    if not enabled:
+        if found:
+            raise ConfigError(f"rewards.{found[0][0]}: the {name} reward needs {switch}: true")
+        return None
+    if len(found) != 1:
+        raise ConfigError(f"{switch} needs exactly one '{name}' entry under 'rewards' (found {len(found)})")
+    return found[0]
+
+
 @dataclass
 class LoggingConfig:
     """Where metrics go. metrics.jsonl is always written."""

@@ -15,25 +15,17 @@ from typing import Any
 
 import torch
 
-from mmgrpo.config import ConfigError
+from mmgrpo.config import switched_reward
 from mmgrpo.rewards.text_rules import last_tagged_span
 
 BONUS_REWARD = "consistency_bonus"
 
 
 def bonus_spec(cfg: Any) -> Any:
-    """The configured ``consistency_bonus`` reward spec when ``care.enabled``, else None. The reward without CARE
-    would always be NaN, and CARE without the reward would compute likelihoods for nothing: either is a
-    ConfigError."""
-    found = [(i, s) for i, s in enumerate(cfg.rewards) if s.name == BONUS_REWARD]
-    if not cfg.care.enabled:
-        if found:
-            raise ConfigError(f"rewards.{found[0][0]}: the {BONUS_REWARD} reward needs care.enabled: true")
-        return None
-    if len(found) != 1:
-        raise ConfigError(f"care.enabled needs exactly one '{BONUS_REWARD}' entry under 'rewards' (found "
-                          f"{len(found)})")
-    return found[0][1]
+    """The configured ``consistency_bonus`` reward spec when ``care.enabled``, else None (ConfigError when the two
+    disagree: :func:`~mmgrpo.config.switched_reward`)."""
+    found = switched_reward(cfg.rewards, BONUS_REWARD, cfg.care.enabled, "care.enabled")
+    return None if found is None else found[1]
 
 
 def first_true(predicate: Callable[[int], bool], low: int, high: int) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mmgrpo.config import ConfigError
+from mmgrpo.config import ConfigError, switched_reward
 from mmgrpo.pipelines.vlm.config import VLMConfig
 from mmgrpo.pipelines.vlm.generation import generate_group
 from mmgrpo.pipelines.vlm.model import VLMModel
@@ -29,15 +29,10 @@ def bonus_spec(cfg: VLMConfig) -> Any:
 
     T-GRPO without the reward would sample shuffled answers for nothing, and the reward without T-GRPO would
     always be NaN, so either is a ConfigError; so are ``alpha``/``mu`` args that disagree with ``tgrpo.*``."""
-    found = [(i, s) for i, s in enumerate(cfg.rewards) if s.name == BONUS_REWARD]
-    if not cfg.tgrpo.enabled:
-        if found:
-            raise ConfigError(f"rewards.{found[0][0]}: the {BONUS_REWARD} reward needs tgrpo.enabled: true")
+    found = switched_reward(cfg.rewards, BONUS_REWARD, cfg.tgrpo.enabled, "tgrpo.enabled")
+    if found is None:
         return None
-    if len(found) != 1:
-        raise ConfigError(f"tgrpo.enabled needs exactly one '{BONUS_REWARD}' entry under 'rewards' (found "
-                          f"{len(found)})")
-    index, spec = found[0]
+    index, spec = found
     for key in ("alpha", "mu"):
         value = float(spec.args.get(key, getattr(cfg.tgrpo, key)))
         if not math.isclose(value, getattr(cfg.tgrpo, key)):
