@@ -41,18 +41,24 @@ class GroupSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_items, generator=g).tolist()
 
-    def next(self) -> tuple[list[int], list[int]]:
-        """(local item indices, their global group ids) for the next rollout; advances the state."""
+    def next(self, count: int | None = None) -> tuple[list[int], list[int]]:
+        """(local item indices, their global group ids) for the next rollout of ``count`` prompts in all
+        (``prompts_per_step`` when None; at most that, and divisible by the processes: dynamic sampling's refill
+        draws only the groups it misses); advances the state."""
+        count = self.prompts_per_step if count is None else count
+        if not 0 < count <= self.prompts_per_step or count % self.world_size:
+            raise ValueError(f"a rollout of {count} prompts over {self.world_size} processes (at most "
+                             f"{self.prompts_per_step}, divisible by the processes)")
         chosen: list[int] = []
         order = self._order(self.epoch)
-        while len(chosen) < self.prompts_per_step:
+        while len(chosen) < count:
             if self.position == self.num_items:
                 self.epoch, self.position = self.epoch + 1, 0
                 order = self._order(self.epoch)
-            take = min(self.prompts_per_step - len(chosen), self.num_items - self.position)
+            take = min(count - len(chosen), self.num_items - self.position)
             chosen += order[self.position:self.position + take]
             self.position += take
-        per_rank = self.prompts_per_step // self.world_size
+        per_rank = count // self.world_size
         lo = self.rank * per_rank
         ids = [self.steps * self.prompts_per_step + j for j in range(lo, lo + per_rank)]
         self.steps += 1

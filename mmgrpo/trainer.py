@@ -301,10 +301,11 @@ class Trainer:
 
     def refill(self, rollout: Rollout, main: torch.Tensor,
                logged: dict[str, torch.Tensor]) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], dict]:
-        """DAPO's dynamic sampling refill (``grpo.refill_rounds``): roll out more rounds of prompts while any
-        process has fewer groups with signal than it rolled out in the first round, then keep that many groups on
-        each process, those with signal first and in sampling order (every process keeps as many rows, so their
-        updates stay in step). Returns the merged rollout, its (N, R) rewards and logged scores, and metrics.
+        """DAPO's dynamic sampling refill (``grpo.refill_rounds``): while any process has fewer groups with signal
+        than it rolled out in the first round, roll out another round of as many prompts per process as the most
+        any process misses; then keep the first round's number of groups on each process, those with signal first
+        and in sampling order (every process keeps as many rows, so their updates stay in step). Returns the merged
+        rollout, its (N, R) rewards and logged scores, and metrics.
 
         Every process runs every round (rewards and sharded forwards may be collective); a group's signal is
         decided by its own rewards, which live on one process."""
@@ -317,8 +318,11 @@ class Trainer:
             return sum(len(r.group[s.to(r.group.device)].unique()) for r, s in zip(rollouts, signal))
 
         rounds = 0
-        while rounds < cfg.grpo.refill_rounds and self._on_any_process(groups_with_signal() < share):
-            items_idx, group_ids = self.sampler.next()
+        while rounds < cfg.grpo.refill_rounds:
+            missing = int(self._max_on_processes(share - groups_with_signal()))  # the same on every process
+            if missing <= 0:
+                break
+            items_idx, group_ids = self.sampler.next(missing * acc.num_processes)
             with torch.no_grad(), acc.autocast():
                 extra = self.policy.rollout([self.train_items[i] for i in items_idx], group_ids,
                                             cfg.train.group_size)

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -8,16 +9,27 @@ from mmgrpo.data import GroupSampler
 
 
 @settings(max_examples=40, deadline=None)
-@given(num_items=st.integers(1, 30), per_rank=st.integers(1, 5), world=st.integers(1, 4), steps=st.integers(1, 6))
-def test_ranks_split_each_step_disjointly_and_group_ids_are_unique(num_items, per_rank, world, steps):
+@given(num_items=st.integers(1, 30), per_rank=st.integers(1, 5), world=st.integers(1, 4), steps=st.integers(1, 6),
+       data=st.data())
+def test_ranks_split_each_step_disjointly_and_group_ids_are_unique(num_items, per_rank, world, steps, data):
     samplers = [GroupSampler(num_items, per_rank * world, world, r, seed=3) for r in range(world)]
     seen_ids = set()
     for _ in range(steps):
-        outs = [s.next() for s in samplers]
+        # a full step, or a refill round of fewer prompts (the same count on every process)
+        per = data.draw(st.integers(1, per_rank))
+        outs = [s.next(per * world) for s in samplers]
         ids = [i for _, gid in outs for i in gid]
-        assert len(ids) == per_rank * world and not (set(ids) & seen_ids)
+        assert all(len(items) == per for items, _ in outs)
+        assert len(ids) == per * world and not (set(ids) & seen_ids)
         seen_ids |= set(ids)
     assert all(s.state_dict() == samplers[0].state_dict() for s in samplers)
+
+
+def test_a_rollout_larger_than_a_step_or_uneven_over_processes_is_refused():
+    s = GroupSampler(10, 4, world_size=2, rank=0)
+    for bad in (0, 3, 6):
+        with pytest.raises(ValueError, match=f"a rollout of {bad} prompts over 2 processes"):
+            s.next(bad)
 
 
 def test_epoch_covers_every_item_once_and_state_resumes():

@@ -302,7 +302,10 @@ def test_refill_replaces_groups_without_signal_with_freshly_sampled_ones(tmp_pat
     history = Trainer(toy(tmp_path / "refill", *common, "grpo.refill_rounds=8")).train()
     rounds = [r["dynamic/rounds"] for r in history]
     assert all(r["dynamic/signal_frac"] == 1.0 for r in history)  # 8 rounds make a miss vanishingly rare
-    assert sum(rounds) > 0 and all(r["dynamic/groups_sampled"] == 4 * (1 + n) for r, n in zip(history, rounds))
+    # a round draws only the groups still missing: between 1 and 4 per round
+    assert sum(rounds) > 0 and all(4 + n <= r["dynamic/groups_sampled"] <= 4 * (1 + n)
+                                   for r, n in zip(history, rounds))
+    assert any(r["dynamic/groups_sampled"] < 4 * (1 + n) for r, n in zip(history, rounds))
     # every trained group varies: the std within groups is that of a fair pair, never 0 for a kept group
     assert all(r["reward/std_within_group"] > 0 for r in history)
     masked = Trainer(toy(tmp_path / "mask", *common)).train()
