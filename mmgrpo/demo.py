@@ -415,11 +415,15 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
         schedule += f" decay over {cfg.train.max_steps} steps" + (
             f", re-planned to end at step {schedule_end:.0f}, where the time budget was projected to end"
             if schedule_end < cfg.train.max_steps else "")
+    g = cfg.grpo
+    sampling = ("" if not g.mask_zero_std_groups else
+                ", groups without reward variance masked" + (f" and refilled (up to {g.refill_rounds} rounds)"
+                                                             if g.refill_rounds else ""))
     text = f"""# mmgrpo demo {which}: {spec.task}
 
 GRPO on the tiny shipped model, on CPU, with no downloads. Preset: `{spec.preset}`
 ({cfg.train.group_size} samples per prompt, {cfg.train.prompts_per_step} prompts per step, lr {cfg.optim.lr}
-({schedule}), KL beta {cfg.grpo.kl_beta}, clip {cfg.grpo.clip_eps}, rewards {", ".join(f"{r.name} x {r.weight:g}" for r in cfg.rewards)}).
+({schedule}), KL beta {cfg.grpo.kl_beta}, clip {cfg.grpo.clip_eps}{sampling}, rewards {", ".join(f"{r.name} x {r.weight:g}" for r in cfg.rewards)}).
 The held-out set ({len(before_batch) // spec.samples_per_prompt} prompts, each sampled {spec.samples_per_prompt}
 time(s) with fixed seeds) was scored only before and after training.
 
