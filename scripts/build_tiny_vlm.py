@@ -13,7 +13,8 @@
    ``<think>{think}</think><answer>X</answer><|im_end|>`` targets for the first ``--sft-per-kind`` items per kind of
    the train split (written to a temporary folder), prompts encoded exactly as the demo preset encodes them. Every
    ``--check-every`` steps it measures greedy accuracy on train-split items kept out of the SFT and stops once it
-   reaches ``--stop-acc``, so the model is capable but imperfect and GRPO has room to improve it. Step-based:
+   reaches ``--stop-acc``, so the model is capable but imperfect and GRPO has room to improve it
+   (``--checkpoint-dir`` also keeps the model of every check, to try other stop points without a rerun). Step-based:
    reruns with the default arguments reproduce the shipped model (the same losses and monitor scores up to its
    stop at step 1,000). Longer runs are not bit-reproducible: two identical runs side by side drifted apart after
    400-1,200 steps, although the data files, the encoded inputs and the training loop are each reproducible.
@@ -145,6 +146,8 @@ def sft(vlm: VLMModel, prompts, ids, monitor, monitor_samples, cfg, args) -> dic
                         "loss": round(loss.item(), 4), "monitor_greedy_accuracy": round(result["accuracy"], 3),
                         "monitor_format": result["format"], "monitor_by_kind": result["by_kind"]})
         print(json.dumps(history[-1]), flush=True)
+        if args.checkpoint_dir:
+            vlm.save(Path(args.checkpoint_dir) / f"step-{step + 1}")
         if result["format"] > 0.95 and result["accuracy"] >= args.stop_acc:
             break
     return {"steps": history[-1]["step"], "minutes": history[-1]["minutes"], "history": history}
@@ -159,6 +162,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--stop-acc", type=float, default=0.55, help="stop once monitor greedy accuracy reaches it")
     parser.add_argument("--check-every", type=int, default=200, help="steps between monitor evaluations")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="also save the model at every check, to DIR/step-N (to study other stop points)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-layers", type=int, default=4)
