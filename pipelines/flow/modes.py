@@ -15,7 +15,6 @@ SDE kernel (``sampling.sde``) and the timestep weighting (``mode.timestep_weight
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -167,12 +166,6 @@ class TreePlan:
         spans = torch.tensor([p.branch_factor ** (p.depth - d) for d in self.unit_depths()],
                              dtype=torch.int64)
         return (leaves % spans) == 0 if len(spans) else torch.zeros(p.num_leaves, 0, dtype=torch.bool)
-
-    def leaves_kept(self) -> int:
-        """Leaves per tree whose leaf-depth transitions survive width pruning (see
-        :func:`.tree.width_prune`)."""
-        n = self.branch.num_leaves
-        return n if self.width_keep >= 1 else min(n, max(2, math.floor(self.width_keep * n + 1e-9)))
 
 
 class RolloutMode:

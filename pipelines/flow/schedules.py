@@ -125,12 +125,6 @@ def flow_grpo_plan(num_steps: int, train_fraction: float = 0.9) -> StepPlan:
     return StepPlan(sde=(True,) * num_steps, train=tuple(range(k)))
 
 
-def dance_grpo_plan(num_steps: int) -> StepPlan:
-    """DanceGRPO: SDE on all T steps, all trainable (the per-sample subset: :func:`dance_grpo_steps`)."""
-    _check_num_steps(num_steps)
-    return StepPlan(sde=(True,) * num_steps, train=tuple(range(num_steps)))
-
-
 def dance_grpo_steps(
     num_steps: int, train_fraction: float, num_samples: int, generator: torch.Generator | None = None
 ) -> Tensor:

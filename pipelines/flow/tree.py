@@ -1,4 +1,4 @@
-"""BranchGRPO tree rollouts: tree layout, reward backup, depth-wise advantages, training targets and pruning.
+"""BranchGRPO tree rollouts: tree layout, reward backup, depth-wise advantages and pruning.
 
 One tree per prompt. The root trajectory starts from pure noise; at each split step ``s`` in ``split_points``
 every live node branches into ``branch_factor`` children, which take step ``s`` with distinct SDE noise draws
@@ -9,12 +9,11 @@ holds the ``branch_factor ** D`` leaves, whose final images are scored.
 Layout: every per-depth tensor is (P, n_d) with ``n_d = branch_factor ** d`` for P prompts, and the children
 of node ``p`` at depth d-1 are nodes ``p * bf .. p * bf + bf - 1`` at depth d. All nodes of one depth
 therefore form one contiguous batch ``(P * n_d, ...)`` for ONE batched transformer forward (the BranchGRPO
-code forwards nodes one at a time), and ``x[:, plan.parent_index(d)]`` expands a depth d-1 tensor
-``(P, n_{d-1}, ...)`` to its children.
+code forwards nodes one at a time).
 
 Step ownership: the transition of a split step ``s`` (depth d-1 -> d) belongs to the children at depth d, each
 with its own noise; a non-split step belongs to the node at the current depth. ``BranchPlan.depth_at(step)``
-gives that owner depth, ``BranchPlan.segments()`` the runs of steps with one owner depth.
+gives that owner depth.
 """
 
 from __future__ import annotations
@@ -82,21 +81,6 @@ class BranchPlan:
     def nodes_per_depth(self) -> list[int]:
         """Nodes per prompt at each depth 0..D: ``[1, bf, bf**2, ..., bf**D]``."""
         return [self.branch_factor**d for d in range(self.depth + 1)]
-
-    def parent_index(self, depth: int) -> Tensor:
-        """For each node at ``depth`` (1..D), its parent's index at depth - 1: (bf**depth,) int64."""
-        if not 1 <= depth <= self.depth:
-            raise ValueError(f"depth={depth} must be in [1, {self.depth}]")
-        return torch.arange(self.branch_factor**depth) // self.branch_factor
-
-    def segments(self) -> list[tuple[int, int, int]]:
-        """Runs of steps with one owner depth, ``(start_step, end_step, depth)``, end exclusive, in order.
-
-        A segment starts at step 0 or at a split step and ends before the next split (or at T); a split at
-        step 0 leaves the root no segment of its own. Example: T=4, splits (0, 2) -> [(0, 2, 1), (2, 4, 2)].
-        """
-        bounds = [0, *self.split_points, self.num_steps]
-        return [(a, b, d) for d, (a, b) in enumerate(pairwise(bounds)) if a < b]
 
 
 def _check_depth_tensors(name: str, tensors: Sequence[Tensor], plan: BranchPlan, first: int) -> None:
@@ -180,30 +164,6 @@ def depthwise_advantages(node_rewards: Sequence[Tensor], eps: float = 1e-6) -> l
         mean, std = r.mean(dim=1, keepdim=True), r.std(dim=1, correction=0, keepdim=True)
         out.append((r - mean) / (std + eps))
     return out
-
-
-def train_targets(
-    plan: BranchPlan, node_advantages: Sequence[Tensor], sde: Sequence[bool] | None = None
-) -> list[tuple[int, int, Tensor]]:
-    """The trained transitions: ``(step, depth, advantages (P, bf**depth))`` per step, in step order.
-
-    At a split step the transition is attributed to the depth-d children (each scored on its own noise draw)
-    with the children's advantages; at any other step to the current depth's nodes. Depth 0 (steps before the
-    first split) always has advantage 0 and only matters for a KL term.
-
-    plan: the tree shape. node_advantages: per depth 0..D, (P, bf**d), e.g. from :func:`depthwise_advantages`.
-    sde: per step, from :func:`branch_sde_steps`; ODE steps (False) have no log-prob and are left out. None
-    keeps every step. To apply depth pruning keep the entries whose step is in :func:`depth_prune`'s set.
-    """
-    _check_depth_tensors("node_advantages", node_advantages, plan, first=0)
-    if sde is not None and len(sde) != plan.num_steps:
-        raise ValueError(f"sde must have num_steps={plan.num_steps} entries, got {len(sde)}")
-    targets = []
-    for step in range(plan.num_steps):
-        if sde is None or sde[step]:
-            depth = plan.depth_at(step)
-            targets.append((step, depth, node_advantages[depth]))
-    return targets
 
 
 def branch_sde_steps(

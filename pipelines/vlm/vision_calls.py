@@ -18,8 +18,6 @@ from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.vlm.data import VLMSample
 from mmgrpo.pipelines.vlm.model import module_names, unwrap
 
-KIND_NAMES = {(False, False): "text-only", (True, False): "image", (False, True): "video", (True, True): "image+video"}
-
 
 def vision_calls(sample: VLMSample) -> tuple[bool, bool]:
     """(has images, has videos): which vision-tower calls (one per kind, whatever the count) a forward of the

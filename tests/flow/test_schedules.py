@@ -6,7 +6,6 @@ from hypothesis import strategies as st
 from mmgrpo.pipelines.flow.schedules import (
     SlidingWindow,
     StepPlan,
-    dance_grpo_plan,
     dance_grpo_steps,
     fast_plan,
     flash_plan,
@@ -72,8 +71,6 @@ def test_dance_grpo_steps_are_sorted_subsets_of_the_right_size():
     assert dance_grpo_steps(4, 0.1, 3, gen()).shape == (3, 1)  # round(0.4) = 0 -> at least 1
     assert dance_grpo_steps(5, 0.5, 1, gen()).shape == (1, 3)  # 2.5 rounds half up
     assert dance_grpo_steps(6, 1.0, 2, gen()).tolist() == [list(range(6))] * 2
-    plan = dance_grpo_plan(16)
-    assert plan.sde == (True,) * 16 and plan.train == tuple(range(16))
     with pytest.raises(ValueError, match="train_fraction"):
         dance_grpo_steps(16, 0.0, 2)
     with pytest.raises(ValueError, match="num_samples"):

@@ -11,7 +11,6 @@ from mmgrpo.pipelines.flow.tree import (
     branch_sde_steps,
     depth_prune,
     depthwise_advantages,
-    train_targets,
     width_prune,
 )
 
@@ -29,21 +28,11 @@ def test_plan_structure_by_hand():
     assert PLAN.depth == 2 and PLAN.num_leaves == 4
     assert PLAN.nodes_per_depth() == [1, 2, 4]
     assert [PLAN.depth_at(s) for s in range(4)] == [1, 1, 2, 2]
-    assert PLAN.parent_index(1).tolist() == [0, 0]
-    assert PLAN.parent_index(2).tolist() == [0, 0, 1, 1]
-    assert PLAN.segments() == [(0, 2, 1), (2, 4, 2)]  # a split at step 0 leaves the root no steps
     late = BranchPlan(5, [1, 3], 3)
     assert late.split_points == (1, 3) and late.num_leaves == 9
-    assert late.segments() == [(0, 1, 0), (1, 3, 1), (3, 5, 2)]
     assert [late.depth_at(s) for s in range(5)] == [0, 1, 1, 2, 2]
-    assert late.parent_index(2).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     # BranchGRPO's published tree: 20 steps, binary splits at 0, 3, 6, 9 -> 16 leaves
     assert BranchPlan(20, (0, 3, 6, 9)).num_leaves == 16
-
-
-def test_parent_index_expands_a_depth_batch_to_its_children():
-    parents = torch.tensor([[10.0, 20.0], [30.0, 40.0]])  # (P=2, 2 nodes at depth 1)
-    assert parents[:, PLAN.parent_index(2)].tolist() == [[10, 10, 20, 20], [30, 30, 40, 40]]
 
 
 @pytest.mark.parametrize(
@@ -66,10 +55,6 @@ def test_plan_validation(args, name):
 def test_plan_rejects_out_of_range_queries():
     with pytest.raises(ValueError, match="step"):
         PLAN.depth_at(4)
-    with pytest.raises(ValueError, match="depth"):
-        PLAN.parent_index(0)
-    with pytest.raises(ValueError, match="depth"):
-        PLAN.parent_index(3)
 
 
 def test_backup_mean_by_hand():
@@ -128,26 +113,6 @@ def test_depthwise_advantages_by_hand():
         depthwise_advantages([LEAVES], eps=0.0)
     with pytest.raises(ValueError, match="node_rewards"):
         depthwise_advantages([torch.zeros(4)])
-
-
-def test_train_targets_attribute_split_steps_to_the_children():
-    adv = depthwise_advantages(backup_rewards(LEAVES, PLAN))
-    targets = train_targets(PLAN, adv)
-    assert [(step, depth) for step, depth, _ in targets] == [(0, 1), (1, 1), (2, 2), (3, 2)]
-    for step, depth, a in targets:
-        assert a is adv[depth] and a.shape == (2, PLAN.nodes_per_depth()[depth])
-    # the Mix variant with an SDE window on step 3 only: splits 0 and 2 plus step 3 are trained
-    mixed = train_targets(PLAN, adv, branch_sde_steps(PLAN, "mix", (3, 4)))
-    assert [(step, depth) for step, depth, _ in mixed] == [(0, 1), (2, 2), (3, 2)]
-    late = BranchPlan(5, (1, 3), 2)
-    late_adv = [torch.zeros(1, n) for n in late.nodes_per_depth()]
-    assert [(s, d) for s, d, _ in train_targets(late, late_adv)] == [(0, 0), (1, 1), (2, 1), (3, 2), (4, 2)]
-    with pytest.raises(ValueError, match="node_advantages"):
-        train_targets(PLAN, adv[:2])
-    with pytest.raises(ValueError, match="node_advantages"):
-        train_targets(PLAN, [adv[0], adv[1], adv[2][:1]])  # P differs between depths
-    with pytest.raises(ValueError, match="sde"):
-        train_targets(PLAN, adv, (True,) * 3)
 
 
 def test_branch_sde_steps():
