@@ -136,8 +136,8 @@ class GRPOConfig:
     refill_rounds: int = ranged(0, low=0)
     """DAPO's dynamic sampling refill, with ``mask_zero_std_groups``: while a process has fewer groups with signal
     than its share of ``train.prompts_per_step``, sample up to this many more rounds of prompts, then train on each
-    process's share, groups with signal first (the rest stay masked). 0 only masks. Each round costs a rollout;
-    the vlm pipeline supports it."""
+    process's share, groups with signal first (the rest stay masked). 0 only masks. Each round costs a rollout
+    (flow: of the same iteration, so in the same MixGRPO window)."""
     loss: str = "ppo_clip"
     """Policy loss (registry ``POLICY_LOSSES``): ppo_clip (clipped surrogate) or reinforce (unclipped ratio * A)."""
     clip_eps: float = ranged(0.2, low=0, low_open=True)

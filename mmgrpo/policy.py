@@ -123,6 +123,12 @@ class Policy(ABC):
         None for the rollout's width U when that does not change from rollout to rollout."""
         return None
 
+    def refill_rollout(self, items: list[dict], group_ids: list[int], group_size: int, round_index: int) -> Rollout:
+        """Refill round ``round_index`` (1, 2, ...) of dynamic sampling (``grpo.refill_rounds``): more samples of
+        the training iteration whose :meth:`rollout` came last. The default is :meth:`rollout`; a policy whose
+        rollouts follow the iteration (the flow pipeline's window schedules) keeps the iteration instead."""
+        return self.rollout(items, group_ids, group_size)
+
     def merge_groups(self, rollouts: list[Rollout], rows: list[torch.Tensor]) -> Rollout:
         """One rollout of ``rollouts[i]``'s ``rows[i]`` (whole groups, in order), for dynamic sampling's refill
         (``grpo.refill_rounds``). Counters that count work (tokens sampled, items skipped) are summed over all of

@@ -324,8 +324,8 @@ class Trainer:
                 break
             items_idx, group_ids = self.sampler.next(missing * acc.num_processes)
             with torch.no_grad(), acc.autocast():
-                extra = self.policy.rollout([self.train_items[i] for i in items_idx], group_ids,
-                                            cfg.train.group_size)
+                extra = self.policy.refill_rollout([self.train_items[i] for i in items_idx], group_ids,
+                                                   cfg.train.group_size, rounds + 1)
             extra_main, extra_logged, _ = self.rewards(extra.reward_batch)
             rollouts.append(extra)
             mains.append(extra_main)

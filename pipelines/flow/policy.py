@@ -202,11 +202,25 @@ class FlowPolicy(Policy):
         return zlib.crc32(json.dumps([self.cfg.seed, *parts]).encode())
 
     # ------------------------------------------------------------------------------------------ rollout
-    @torch.no_grad()
     def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:
-        generator = torch.Generator().manual_seed(self._seed(self.rank, self.rollouts))
-        plan = self.mode.plan(self.rollouts, len(items), group_size, generator)
+        """The rollout of training iteration ``self.rollouts`` (which window schedules follow), then the next."""
+        rollout = self._rollout(items, group_ids, group_size, self.rollouts, (self.rank, self.rollouts))
         self.rollouts += 1
+        return rollout
+
+    def refill_rollout(self, items: list[dict], group_ids: list[int], group_size: int, round_index: int) -> Rollout:
+        """Refill round ``round_index`` of the last rollout's iteration: its plan schedule (the same MixGRPO window
+        and pruning), noise of its own."""
+        iteration = self.rollouts - 1
+        return self._rollout(items, group_ids, group_size, iteration, (self.rank, iteration, round_index))
+
+    @torch.no_grad()
+    def _rollout(self, items: list[dict], group_ids: list[int], group_size: int, iteration: int,
+                 seed_parts: tuple[int, ...]) -> Rollout:
+        """Sample ``group_size`` outputs per item under the mode's plan at ``iteration``, with noise seeded by
+        ``seed_parts``."""
+        generator = torch.Generator().manual_seed(self._seed(*seed_parts))
+        plan = self.mode.plan(iteration, len(items), group_size, generator)
         s = self.cfg.sampling
         embeds = self.adapter.encode([it["prompt"] for it in items], s.negative_prompt, s.guidance_scale)
         group = torch.tensor(group_ids, dtype=torch.int64).repeat_interleave(group_size)
@@ -434,6 +448,44 @@ class FlowPolicy(Policy):
             "nfe/placeholder": 0.0,
             "steps/trained": trained / n,
         }
+
+    def merge_groups(self, rollouts: list[Rollout], rows: list[Tensor]) -> Rollout:
+        """``rows[i]`` (whole groups) of each of ``rollouts``, in order, as one rollout (``grpo.refill_rounds``).
+
+        The rollouts are rounds of one iteration, so they share the unit layout (and a tree rollout its plan):
+        per-row units, embeddings and reward inputs are concatenated, and a tree keeps the split log-probs of its
+        kept prompts. A row now sits elsewhere in the micro-batch chunks than where it was sampled, so the trainer
+        recomputes the old log-probs (ratio exactly 1 on the first update). Counters: ``nfe/rollout`` summed over
+        every rollout (the work done), the others averaged."""
+        parts = [(r, i.to(r.group.device)) for r, i in zip(rollouts, rows) if len(i)]
+        widths = {r.old_logp.shape[1] for r, _ in parts}
+        if len(widths) > 1:
+            raise ValueError(f"refill rounds of one iteration must share the unit count, got {sorted(widths)}")
+        first = parts[0][0].data
+        data: dict[str, Any] = {"embeds": type(first["embeds"]).cat([r.data["embeds"].select(i.cpu())
+                                                                     for r, i in parts])}
+        for key, value in first.items():
+            if isinstance(value, Tensor):
+                data[key] = torch.cat([r.data[key][i.to(r.data[key].device)] for r, i in parts])
+        plan = first.get("tree_plan")
+        if plan is not None:
+            leaves = plan.branch.num_leaves
+            prompts = [(r, (i[::leaves] // leaves).cpu()) for r, i in parts]
+            data["tree_plan"] = plan
+            data["split_logp"] = [torch.cat([r.data["split_logp"][k][p.to(r.data["split_logp"][k].device)]
+                                             for r, p in prompts]) for k in range(len(first["split_logp"]))]
+        counters = {}
+        for key in {k for r in rollouts for k in r.counters}:
+            values = [r.counters[key] for r in rollouts if key in r.counters]
+            counters[key] = sum(values) if key == "nfe/rollout" else sum(values) / len(values)
+
+        def joined(name: str) -> Tensor:
+            return torch.cat([getattr(r, name)[i] for r, i in parts])
+
+        return Rollout(group=joined("group"), old_logp=joined("old_logp"), mask=joined("mask"),
+                       reward_batch=RewardBatch.concat([r.reward_batch.select(i.tolist()) for r, i in parts]),
+                       data=data, unit_weight=joined("unit_weight"), counters=counters,
+                       sample_mask=joined("sample_mask"), recompute_old_logp=True)
 
     # ------------------------------------------------------------------------------------------ training
     def unit_chunks(self, rollout: Rollout) -> list[Tensor | None]:

@@ -100,6 +100,64 @@ def test_first_ratio_is_exactly_one_for_every_mode(case, adapter, tmp_path):
         assert "logp/rollout_vs_recompute_max_dev" not in row
 
 
+REFILL_MODES = {"flow_grpo": ("tiny_flowgrpo", []), "dance_grpo": ("tiny_dancegrpo", []),
+                "mixgrpo": ("tiny_mixgrpo", []), "mixgrpo_flash": ("tiny_mixgrpo_flash", ["mode.window_size=1"]),
+                "tempflow": ("tiny_tempflow", []),
+                "branch_prob": ("tiny_branchgrpo", ["mode.split_points=[0,2]", "mode.depth_prune_window=1",
+                                                    "mode.reward_backup=prob"])}
+
+
+@pytest.mark.parametrize("case", list(REFILL_MODES))
+def test_refill_trains_on_groups_merged_from_several_rounds(case, adapter, tmp_path):
+    """Dynamic sampling's refill: 2 prompts a step, signal in groups 1, 4, 7, ... Group 0 (no signal) is
+    replaced by group 2 (none either), then by group 4: the trained rollout merges rows of rounds 0 and 2. Its
+    stored transitions, embeddings and (trees) split log-probs must stay aligned: rescored in training chunking,
+    they give the sampler's log-probs again."""
+    preset, overrides = REFILL_MODES[case]
+    cfg = config(preset, tmp_path, *overrides, "train.prompts_per_step=2", "grpo.mask_zero_std_groups=true",
+                 "grpo.refill_rounds=2", 'rewards=[{name: "random_flow:every_third_group_brightness"}]')
+    _, rows = train(cfg, adapter)
+    row = rows[0]
+    assert row["dynamic/rounds"] == 2 and row["dynamic/groups_sampled"] == 4 and row["dynamic/signal_frac"] == 1
+    assert row["ratio/onpolicy_max_dev"] <= 1e-6
+    assert row["logp/rollout_vs_recompute_max_dev"] <= 1e-5
+    assert row["reward/std_within_group"] > 0
+
+
+def test_a_refill_round_keeps_the_iteration_and_draws_its_own_noise(adapter, tmp_path):
+    """MixGRPO's window moves every iteration here; a refill round samples in the window of its iteration."""
+    cfg = config("tiny_mixgrpo", tmp_path, "mode.window_size=1", "mode.shift_interval=1",
+                 "mode.window_strategy=progressive", "mode.shared_initial_noise=false")
+    policy = FlowPolicy(cfg, adapter=adapter)
+    first = policy.rollout(ITEMS, [0, 1], 4)
+    again = policy.refill_rollout(ITEMS, [2, 3], 4, round_index=1)
+    assert policy.rollouts == 1
+    torch.testing.assert_close(again.data["sigma"], first.data["sigma"], rtol=0, atol=0)
+    assert not torch.equal(again.data["x"], first.data["x"])
+    moved = policy.rollout(ITEMS, [4, 5], 4)
+    assert not torch.equal(moved.data["sigma"], first.data["sigma"])
+    merged = policy.merge_groups([first, again], [torch.arange(4, 8), torch.arange(0, 4)])
+    assert merged.group.tolist() == [1] * 4 + [2] * 4 and merged.recompute_old_logp
+    torch.testing.assert_close(merged.data["x"], torch.cat([first.data["x"][4:], again.data["x"][:4]]))
+    torch.testing.assert_close(merged.data["embeds"].cond["encoder_hidden_states"],
+                               torch.cat([first.data["embeds"].cond["encoder_hidden_states"][4:],
+                                          again.data["embeds"].cond["encoder_hidden_states"][:4]]))
+    assert merged.counters["nfe/rollout"] == first.counters["nfe/rollout"] + again.counters["nfe/rollout"]
+
+
+def test_merging_tree_rollouts_keeps_each_kept_prompts_split_log_probs(adapter, tmp_path):
+    cfg = config("tiny_branchgrpo", tmp_path, "mode.split_points=[0,2]", "mode.depth_prune_window=1",
+                 "mode.reward_backup=prob")
+    policy = FlowPolicy(cfg, adapter=adapter)
+    first = policy.rollout(ITEMS, [0, 1], 4)
+    again = policy.refill_rollout(ITEMS, [2, 3], 4, round_index=1)
+    merged = policy.merge_groups([first, again], [torch.arange(4, 8), torch.arange(0, 8)])
+    assert merged.group.tolist() == [1] * 4 + [2] * 4 + [3] * 4 and merged.data["tree_plan"] == first.data["tree_plan"]
+    for k, split in enumerate(merged.data["split_logp"]):  # (prompts, nodes at the split's depth)
+        torch.testing.assert_close(split, torch.cat([first.data["split_logp"][k][1:], again.data["split_logp"][k]]))
+    torch.testing.assert_close(merged.mask, torch.cat([first.mask[4:], again.mask]))
+
+
 def test_kl_is_zero_at_init_then_positive_and_counters_add_up(adapter, tmp_path):
     cfg = config("tiny_flowgrpo", tmp_path, "train.max_steps=2", "optim.lr=1e-2")
     _, rows = train(cfg, adapter)
