@@ -2,9 +2,10 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from mmgrpo.grpo.advantages import ZERO_STD_TOL
 from mmgrpo.grpo.diagnostics import advantage_stats, constant_columns, masked_mean, ratio_stats
 
 NAN = float("nan")
@@ -63,8 +64,10 @@ def test_constant_columns_ignore_nan_and_count_an_all_nan_column_as_constant():
 
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.floats(-5, 5), min_size=2, max_size=12), st.floats(-100, 100))
+@example([0.0, 1e-9], 0.0)  # a spread between the tolerance and 1e-9, where this test once compared at 1e-9
+@example([0.0, ZERO_STD_TOL], 0.0)
 def test_constant_columns_agree_with_the_spread_and_ignore_a_shift(values, shift):
     rewards = torch.tensor(values, dtype=torch.float64)[:, None]
-    expected = max(values) - min(values) <= 1e-9
+    expected = max(values) - min(values) <= ZERO_STD_TOL
     assert constant_columns(rewards).item() == expected
     assert constant_columns(torch.full_like(rewards, shift)).item()
