@@ -15,7 +15,8 @@ per-sample trained steps (dance_grpo, tempflow) are exact too, and a chunk holdi
 even where the other rows' velocities are not needed. A group with shared start noise runs the steps before its
 first SDE step (TempFlow: its branch step k) on one row and expands it to the G rows there, as a tree splits.
 Tree nodes (branch) are forwarded depth by depth, a layout training cannot share, so branch rollouts ask the
-trainer to recompute the old log-probs in training chunking.
+trainer to recompute the old log-probs in training chunking; so do rollouts that dynamic sampling's refill merged
+from several rounds (:meth:`FlowPolicy.merge_groups`), whose rows were sampled in other chunks.
 
 NFE convention: one NFE is one sample (one latent row) through the transformer once; a CFG step costs 2.
 """
