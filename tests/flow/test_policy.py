@@ -100,11 +100,12 @@ def test_first_ratio_is_exactly_one_for_every_mode(case, adapter, tmp_path):
         assert "logp/rollout_vs_recompute_max_dev" not in row
 
 
-REFILL_MODES = {"flow_grpo": ("tiny_flowgrpo", []), "dance_grpo": ("tiny_dancegrpo", []),
-                "mixgrpo": ("tiny_mixgrpo", []), "mixgrpo_flash": ("tiny_mixgrpo_flash", ["mode.window_size=1"]),
-                "tempflow": ("tiny_tempflow", []),
-                "branch_prob": ("tiny_branchgrpo", ["mode.split_points=[0,2]", "mode.depth_prune_window=1",
-                                                    "mode.reward_backup=prob"])}
+REFILL_MODES = {  # the chain layouts (per-sample trained steps; a shared prefix with one unit) and a tree
+    "dance_grpo": ("tiny_dancegrpo", []),
+    "tempflow": ("tiny_tempflow", []),
+    "branch_prob": ("tiny_branchgrpo", ["mode.split_points=[0,2]", "mode.depth_prune_window=1",
+                                        "mode.reward_backup=prob"]),
+}
 
 
 @pytest.mark.parametrize("case", list(REFILL_MODES))
