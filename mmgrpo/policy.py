@@ -216,6 +216,16 @@ class PipelineSpec:
     description: str = ""
 
 
+def merged_counters(rollouts: list[Rollout], summed: set[str]) -> dict[str, float]:
+    """The counters of rollouts merged by dynamic sampling's refill: the ``summed`` keys (work done: samples,
+    tokens, forwards) added up over every rollout, the others (rates) averaged over the rollouts that have them."""
+    out = {}
+    for key in {k for r in rollouts for k in r.counters}:
+        values = [r.counters[key] for r in rollouts if key in r.counters]
+        out[key] = sum(values) if key in summed else sum(values) / len(values)
+    return out
+
+
 def any_process(flag: bool) -> bool:
     """Whether ``flag`` is True on any process: an all-reduce when torch.distributed runs (collective: every process
     must call it), ``flag`` itself otherwise."""

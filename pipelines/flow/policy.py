@@ -34,7 +34,7 @@ from accelerate import PartialState
 from torch import Tensor
 
 from mmgrpo.grpo import clip_advantages, gaussian_mean_kl
-from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, rows_after_first_update
+from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, merged_counters, rows_after_first_update
 from mmgrpo.rewards import RewardBatch
 
 from . import kernels, media, schedules, tree
@@ -475,17 +475,14 @@ class FlowPolicy(Policy):
             data["tree_plan"] = plan
             data["split_logp"] = [torch.cat([r.data["split_logp"][k][p.to(r.data["split_logp"][k].device)]
                                              for r, p in prompts]) for k in range(len(first["split_logp"]))]
-        counters = {}
-        for key in {k for r in rollouts for k in r.counters}:
-            values = [r.counters[key] for r in rollouts if key in r.counters]
-            counters[key] = sum(values) if key == "nfe/rollout" else sum(values) / len(values)
 
         def joined(name: str) -> Tensor:
             return torch.cat([getattr(r, name)[i] for r, i in parts])
 
         return Rollout(group=joined("group"), old_logp=joined("old_logp"), mask=joined("mask"),
                        reward_batch=RewardBatch.concat([r.reward_batch.select(i.tolist()) for r, i in parts]),
-                       data=data, unit_weight=joined("unit_weight"), counters=counters,
+                       data=data, unit_weight=joined("unit_weight"),
+                       counters=merged_counters(rollouts, {"nfe/rollout"}),
                        sample_mask=joined("sample_mask"), recompute_old_logp=True)
 
     # ------------------------------------------------------------------------------------------ training

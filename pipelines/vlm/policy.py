@@ -43,7 +43,7 @@ from mmgrpo.pipelines.vlm.vllm_backend import (
 )
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
 from mmgrpo.pipelines.vlm.whole_weights import whole_weights
-from mmgrpo.policy import LogProbs, Policy, Rollout, any_process
+from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, merged_counters
 from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
 from mmgrpo.rewards.consistency_bonus import LIKELIHOOD_KEY
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
@@ -414,10 +414,7 @@ class VLMPolicy(Policy):
         data = {"prompts": prompts, "ids": torch.cat(ids), "mask": torch.cat(masks),
                 "prompt_index": torch.cat(index).to(device)}
         work = {"tokens/rollout", "tokens/shuffled", "tgrpo/video_groups", *SKIP_COUNTERS}
-        counters = {}
-        for key in {k for r in rollouts for k in r.counters}:
-            values = [r.counters[key] for r in rollouts if key in r.counters]
-            counters[key] = sum(values) if key in work else sum(values) / len(values)
+        counters = merged_counters(rollouts, work)
         batch = RewardBatch.concat(batches)
         truncated = torch.tensor([bool(m["truncated"]) for m in batch.meta])
         counters.update({k: v for k, v in self._token_counters(data, truncated, 0).items() if k != "tokens/rollout"})
