@@ -1,7 +1,7 @@
 """The VLM / video reasoning GRPO policy (``pipeline: vlm``).
 
 One rollout, per prompt: decode its images and videos once (:class:`MediaCache`, cleared every rollout), encode the
-prompt once, sample G completions with the prefill shared across the group and the groups of a rollout decoded
+prompt once (and keep it for later rollouts within ``data.prompt_cache_mb``: :class:`PromptCache`), sample G completions with the prefill shared across the group and the groups of a rollout decoded
 together (:func:`generate_groups`), and, with T-GRPO, G' more on shuffled frames that are scored but never trained
 (:mod:`.tgrpo`). Old log-probs are then computed by :func:`token_logprobs`, the training forward (Prefix Grouper
 included when it is on), in the training chunking (consecutive rows in ``train.micro_batch_size`` chunks), so the
@@ -34,6 +34,7 @@ from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, read_task_split, 
 from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.prompt_cache import PromptCache
 from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
 from mmgrpo.pipelines.vlm.vision_calls import VisionCallBalancer, calls_to_balance
 from mmgrpo.pipelines.vlm.vllm_backend import (
@@ -91,6 +92,11 @@ class Prepared:
                     images=list(self.images), videos=list(self.videos),
                     video_fps=list(self.fps), frames=sum(v.shape[0] for v in self.videos))
         return meta
+
+
+def prepared_tensors(prepared: Prepared) -> list[torch.Tensor]:
+    """The tensors a :class:`Prepared` holds: its model inputs and decoded media."""
+    return [*prepared.inputs.values(), *prepared.images, *prepared.videos]
 
 
 def item_source(item: dict) -> str:
@@ -168,6 +174,7 @@ class VLMPolicy(Policy):
         self.sampler = VLLMSampler(cfg, self.vlm, media_limits(self.train_items)) \
             if cfg.generation.backend == "vllm" else None
         self.cache = MediaCache()
+        self.prompts: PromptCache[Prepared] = PromptCache(int(cfg.data.prompt_cache_mb * 2**20), prepared_tensors)
         self.accuracy = None if spec is None else AccuracyReward(**spec.args.get("accuracy_args", {}))
         self._bad: dict[str, str] = {}
         """Source of every item found bad -> the counter it is reported under."""
@@ -248,7 +255,7 @@ class VLMPolicy(Policy):
             counters[self._bad[source]] += 1
             return None
         try:
-            return self._prepare(item)
+            return self.prompts.get((source, item["prompt"]), lambda: self._prepare(item))
         except (MediaError, PromptTooLong) as err:
             key = "data/skipped_media" if isinstance(err, MediaError) else "data/skipped_too_long"
             if self.cfg.data.on_bad_media == "error":

@@ -16,7 +16,8 @@ from random_vlm import DATA, RANDOM_TINY_VLM
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.grpo import ppo_clip_loss
 from mmgrpo.pipelines.vlm.data import read_samples
-from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy
+from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy, prepared_tensors
+from mmgrpo.pipelines.vlm.prompt_cache import PromptCache
 from mmgrpo.pipelines.vlm.video import decode_video, load_image
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.trainer import Trainer
@@ -272,6 +273,24 @@ def test_prompt_over_the_token_budget(lora_policy):
         policy._bad.clear()
 
 
+def test_a_prompt_is_encoded_once_across_rollouts_and_samples_the_same(lora_policy, monkeypatch):
+    """The second rollout of the same prompts takes their encodings from the prompt cache (no media decoded), and
+    a rollout from the same RNG state samples the same tokens with the cache as without it."""
+    policy, items = lora_policy, lora_policy.train_items[:2]
+
+    def seeded_rollout():
+        torch.manual_seed(0)
+        return rollout_of(policy, items).data
+
+    monkeypatch.setattr(policy, "prompts", PromptCache(0, prepared_tensors))
+    fresh = seeded_rollout()
+    monkeypatch.setattr(policy, "prompts", PromptCache(2**30, prepared_tensors))
+    first, cached = seeded_rollout(), seeded_rollout()
+    assert (policy.prompts.misses, policy.prompts.hits) == (2, 2) and policy.cache.stats()["misses"] == 0
+    assert all(a is b for a, b in zip(first["prompts"], cached["prompts"]))
+    assert torch.equal(fresh["ids"], cached["ids"]) and torch.equal(fresh["mask"], cached["mask"])
+
+
 def test_custom_reward_sees_the_inputs_the_model_saw(lora_policy, monkeypatch):
     """A custom ``module:function`` reward, scored by the zoo on a real rollout, gets each sample's media paths and
     decoded images / videos in [0,1]: the tensors that, back in uint8, give the rollout's pixel inputs exactly."""
@@ -281,6 +300,7 @@ def test_custom_reward_sees_the_inputs_the_model_saw(lora_policy, monkeypatch):
     monkeypatch.setattr(random_vlm, "seen_inputs", lambda batch: seen.append(batch) or [0.0] * len(batch),
                         raising=False)
     policy = lora_policy
+    monkeypatch.setattr(policy, "prompts", PromptCache(0, prepared_tensors))  # encode afresh: decode here
     samples = read_samples(DATA / "train.jsonl", DATA)
     items = [policy._item(next(s for s in samples if s.images)), policy._item(next(s for s in samples if s.videos))]
     rollout = rollout_of(policy, items)
