@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -194,7 +195,7 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mmgrpo.demo import in_repo, missing_parts, run_demo
+    from mmgrpo.demo import demo_processes, in_repo, launch, missing_parts, run_demo
 
     out = args.output_dir or f"runs/demo-{args.which}"  # relative to where the user is
     missing = missing_parts(args.which)
@@ -202,6 +203,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(DEMO_MISSING.format(which=args.which, missing=", ".join(missing)), file=sys.stderr)
         return 2
     out = Path(out).resolve()
+    processes = demo_processes(args.which, args.processes)
+    if processes > 1 and "WORLD_SIZE" not in os.environ:  # not launched yet: run this command in each process
+        minutes = [] if args.minutes is None else ["--minutes", str(args.minutes)]
+        return launch(processes, ["-m", "mmgrpo.cli", "demo", args.which, "--output-dir", str(out), "--processes",
+                                  str(processes), *minutes])
     with in_repo():
         run_demo(args.which, str(out), args.minutes)
     return 0
@@ -254,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", help="default runs/demo-flow or runs/demo-vlm; an existing folder is cleared only if it holds an earlier demo's output (demo.json or report.md)")
     p.add_argument("--minutes", type=float, help="training-time budget (default: the demo's own, 11 for flow, 14 for "
                    "vlm, cut short on a slow machine so that the whole demo ends within 15 minutes)")
+    p.add_argument("--processes", type=positive_int, help="training processes (default: 2 for vlm on a CPU with 2 "
+                   "cores or more, DDP over gloo; 1 for flow, and on a machine with a GPU)")
     p.set_defaults(fn=cmd_demo)
     return parser
 

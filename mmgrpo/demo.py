@@ -1,5 +1,7 @@
 """``mmgrpo demo [flow|vlm]``: the tiny shipped models, on CPU, with no downloads: evaluate on held-out prompts,
-train with GRPO, evaluate again, and write ``report.md`` and ``demo.json``.
+train with GRPO, evaluate again, and write ``report.md`` and ``demo.json``. On a CPU with the cores for it, a demo
+whose ``DemoSpec.num_processes`` is above 1 (vlm) relaunches itself in that many processes (:func:`launch`): they
+train together (DDP over gloo) and split every evaluation.
 
 Honesty rules:
 
@@ -29,6 +31,9 @@ import math
 import os
 import random
 import shutil
+import socket
+import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -37,6 +42,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from accelerate import PartialState
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +60,9 @@ after it still end within this (:func:`training_budget_s`)."""
 FINISH_SECONDS = 30.0
 """Reserved for what the demo's clock does not see otherwise: loading the reported snapshot and writing the
 report after the last evaluation, and starting Python and importing torch before the clock starts."""
+LAUNCHED_AT = "MMGRPO_DEMO_LAUNCHED_AT"
+"""Environment variable with the wall-clock time (``time.time()``) :func:`launch` started the demo's processes at,
+so that their clock counts their start-up."""
 
 
 @dataclass
@@ -90,6 +100,9 @@ class DemoSpec:
     read by the policy's ``read_items``); None draws ``num_val`` training prompts (docs/demo.md: why the VLM
     needs unseen ones)."""
     overrides: list[str] = field(default_factory=list)
+    num_processes: int = 1
+    """Processes it trains with on a CPU that has that many cores (DDP over gloo, the prompts of a step split
+    between them; :func:`demo_processes`). Validation and held-out evaluations are split between them too."""
 
 
 DEMOS = {
@@ -97,7 +110,7 @@ DEMOS = {
                      guard="diversity", stop_on_guard=True, samples_per_prompt=4, eval_every=20, num_val=24, train_minutes=11.0),
     "vlm": DemoSpec(preset="configs/vlm/demo_shapes.yaml", asset="assets/tiny-qwen2vl-shapes", task="ShapesQA+MotionQA", metric="accuracy",
                     guard="answer_diversity", stop_on_guard=False, samples_per_prompt=1, eval_every=100, num_val=192, train_minutes=14.0,
-                    selection="last", val_file="assets/data/shapes_qa/val.jsonl"),
+                    selection="last", val_file="assets/data/shapes_qa/val.jsonl", num_processes=2),
 }
 
 
@@ -127,9 +140,7 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
     whose record names a ``kind`` (ShapesQA, MotionQA), also ``{metric}/{task}/{kind}``: the metric per kind.
     Returns (metrics, the sample batch)."""
     expanded = [{**it, "seed": s} for it in items for s in range(spec.samples_per_prompt)]
-    with torch.no_grad():
-        batch = policy.generate(expanded)
-    _, logged, _ = zoo(batch, only=zoo.evaluation_names)
+    batch, logged = generate_and_score(policy, zoo, expanded, zoo.evaluation_names)
     metrics = {name: scores.nanmean().item() for name, scores in logged.items()}
     if flow:
         from mmgrpo.registry import TASKS
@@ -163,6 +174,24 @@ def evaluate(policy: Any, zoo: Any, items: list[dict], spec: DemoSpec, flow: boo
     return metrics, batch
 
 
+def generate_and_score(policy: Any, zoo: Any, items: list[dict], names: list[str]) -> tuple[Any, dict]:
+    """``policy.generate(items)`` scored by the ``names`` rewards of ``zoo``: (batch, {name: (B,) scores}). With
+    several processes, each generates and scores a contiguous part of ``items`` and every process gets the
+    whole, in order; all must call this."""
+    from mmgrpo.rewards import RewardBatch
+
+    state = PartialState()
+    n, rank = state.num_processes, state.process_index
+    with torch.no_grad():
+        batch = policy.generate(items[len(items) * rank // n:len(items) * (rank + 1) // n])
+    _, logged, _ = zoo(batch, only=names)
+    if n == 1:
+        return batch, logged
+    parts = gather_object([(batch, logged)])
+    return (RewardBatch.concat([b for b, _ in parts]),
+            {name: torch.cat([scores[name] for _, scores in parts]) for name in parts[0][1]})
+
+
 def circular_accuracy(policy: Any, zoo: Any, items: list[dict], batch: Any, accuracy: torch.Tensor) -> float:
     """CircularEval (MMBench): the share of ``items`` answered right under every rotation of their options
     (:func:`~mmgrpo.pipelines.vlm.data.rotate_options`); a question without options counts as answered once. A
@@ -181,9 +210,7 @@ def circular_accuracy(policy: Any, zoo: Any, items: list[dict], batch: Any, accu
                 moved = rotate_options(sample, shift)
                 rotated.append({"prompt": render_prompt(moved, template), "sample": moved})
     if rotated:
-        with torch.no_grad():
-            rotated_batch = policy.generate(rotated)
-        _, logged, _ = zoo(rotated_batch, only=["accuracy"])
+        rotated_batch, logged = generate_and_score(policy, zoo, rotated, ["accuracy"])
         for m, a in zip(rotated_batch.meta, logged["accuracy"].tolist()):
             right[m["source"]] &= a == 1.0
     return sum(right.values()) / max(len(right), 1)
@@ -220,15 +247,53 @@ DEMO_OUTPUTS = ("demo.json", "report.md")
 """Files that mark a folder as an earlier demo's output, which a new run may clear."""
 
 
+def check_clearable(out: Path) -> None:
+    """Raise FileExistsError naming ``out`` unless it is missing, an empty folder, or an earlier demo's output
+    (:data:`DEMO_OUTPUTS`): the folders :func:`clear_output_dir` may clear."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and
+                                             not any((out / name).is_file() for name in DEMO_OUTPUTS))):
+        raise FileExistsError(f"refusing to clear {out}: it is not an earlier demo's output (no "
+                              f"{' or '.join(DEMO_OUTPUTS)}); choose another --output-dir")
+
+
 def clear_output_dir(out: Path) -> None:
-    """Make ``out`` an empty folder. A folder that exists is cleared only when it is empty or holds an earlier
-    demo's output (:data:`DEMO_OUTPUTS`); anything else raises FileExistsError naming it, and is left untouched."""
+    """Make ``out`` an empty folder (:func:`check_clearable` first: anything else is left untouched)."""
+    check_clearable(out)
     if out.exists():
-        if not out.is_dir() or (any(out.iterdir()) and not any((out / name).is_file() for name in DEMO_OUTPUTS)):
-            raise FileExistsError(f"refusing to clear {out}: it is not an earlier demo's output (no "
-                                  f"{' or '.join(DEMO_OUTPUTS)}); choose another --output-dir")
         shutil.rmtree(out)
     out.mkdir(parents=True)
+
+
+def available_cpus() -> int:
+    """CPU cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def demo_processes(which: str, requested: int | None = None) -> int:
+    """Processes a demo trains with: ``requested``, else its ``DemoSpec.num_processes`` as far as the CPU has the
+    cores, and 1 on a machine with a GPU (the demo's launch is for CPU processes)."""
+    if requested is not None:
+        return requested
+    if torch.cuda.is_available():
+        return 1
+    return max(1, min(DEMOS[which].num_processes, available_cpus()))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(num_processes: int, program: list[str]) -> int:
+    """Run ``program`` (what follows ``python``: ``-m module args`` or ``script args``) in ``num_processes`` CPU
+    processes with gloo DDP (``accelerate launch`` with ``configs/accelerate/cpu_2proc.yaml``) on a free local
+    port, and return its exit code. The processes get the launch time in :data:`LAUNCHED_AT`."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "--num_processes", str(num_processes),
+               "--main_process_port", str(free_port()), *program]
+    return subprocess.run(command, check=False, env={**os.environ, LAUNCHED_AT: str(time.time())}).returncode
 
 
 def training_budget_s(train_minutes: float, elapsed_s: float, held_out_eval_s: float, val_eval_s: float,
@@ -242,37 +307,44 @@ def training_budget_s(train_minutes: float, elapsed_s: float, held_out_eval_s: f
     return max(0.0, min(60.0 * train_minutes, room))
 
 
-def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any]:
-    """Run one demo end to end and return what demo.json holds. ``minutes`` is the training budget; without it
-    the demo's own (``DemoSpec.train_minutes``), cut to end the whole demo within ``DEMO_LIMIT_MINUTES``."""
+def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any] | None:
+    """Run one demo end to end and return what demo.json holds (None on all processes but the main one).
+    ``minutes`` is the training budget; without it the demo's own (``DemoSpec.train_minutes``), cut to end the
+    whole demo within ``DEMO_LIMIT_MINUTES``. Under ``accelerate launch`` (:func:`launch`) every process runs
+    this: they train together and split the evaluations; the main one reports."""
     from rich.console import Console
 
     from mmgrpo.config import load_config
     from mmgrpo.trainer import Trainer
 
+    # the clock starts when the processes were launched, if they were (their start-up counts)
+    start = time.perf_counter() - (time.time() - float(os.environ.get(LAUNCHED_AT, time.time())))
     spec = DEMOS[which]
     preset = REPO / spec.preset
     if not preset.is_file():
         raise FileNotFoundError(f"demo preset not found: {preset} (run from a clone of the mmgrpo repository)")
     out = Path(output_dir or f"runs/demo-{which}")
-    clear_output_dir(out)
-    console = Console()
-    start = time.perf_counter()
-    flow = which == "flow"
+    check_clearable(out)  # on every process, before any waits for the main one
     # The trainer's bar counts train.max_steps, which the time budget cuts short; the demo shows its own bar over
     # the budget instead.
     cfg = load_config(preset, [f"output_dir={out / 'run'}", "resume=null", "train.eval_every=0",
                                "logging.progress=false", *spec.overrides])
     trainer = Trainer(cfg)
-    policy, zoo = trainer.policy, trainer.rewards
+    acc, policy, zoo = trainer.accelerator, trainer.policy, trainer.rewards
+    main = acc.is_main_process
+    if main:
+        clear_output_dir(out)
+    acc.wait_for_everyone()
+    console = Console(quiet=not main)
     items = trainer.eval_items
     val_items = (policy.read_items(spec.val_file)[:spec.num_val] if spec.val_file
                  else validation_items(trainer.train_items, spec.num_val))
-    console.print(f"[bold]mmgrpo demo {which}[/]: {spec.task}, {len(items)} held-out prompts, preset {spec.preset}",
-                  soft_wrap=True)
+    processes = f", {acc.num_processes} processes" if acc.num_processes > 1 else ""
+    console.print(f"[bold]mmgrpo demo {which}[/]: {spec.task}, {len(items)} held-out prompts, preset "
+                  f"{spec.preset}{processes}", soft_wrap=True)
 
     clock = time.perf_counter()
-    before, before_batch = evaluate(policy, zoo, items, spec, flow, circular=True)
+    before, before_batch = evaluate(policy, zoo, items, spec, flow := which == "flow", circular=True)
     held_out_eval_s = time.perf_counter() - clock
     console.print(f"before training: held-out {spec.metric} = {before[spec.metric]:.3f}")
     clock = time.perf_counter()
@@ -286,16 +358,19 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
     if minutes is not None:
         budget_s, budget_note = 60.0 * minutes, "time budget"
     else:
-        budget_s = training_budget_s(spec.train_minutes, train_start - start, held_out_eval_s, val_eval_s)
+        # every process plans with the slowest one's clock, so that all stop at the same step
+        budget_s = training_budget_s(spec.train_minutes, *(trainer.max_on_processes(t) for t in (
+            train_start - start, held_out_eval_s, val_eval_s)))
         budget_note = ("time budget" if budget_s >= 60.0 * spec.train_minutes else
                        f"time budget (cut from {spec.train_minutes:g} so that the demo ends within "
                        f"{DEMO_LIMIT_MINUTES:g} minutes)")
     stop_reason = {"why": "step budget reached"}
-    bar = tqdm(total=round(budget_s), desc="train (time budget)", unit="s", dynamic_ncols=True,
+    bar = tqdm(total=round(budget_s), desc="train (time budget)", unit="s", dynamic_ncols=True, disable=not main,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
+    note = bar.write if main else (lambda _text: None)
 
     def should_stop(step: int, row: dict[str, Any]) -> bool:
-        elapsed = time.perf_counter() - train_start
+        elapsed = trainer.max_on_processes(time.perf_counter() - train_start)
         out_of_time = elapsed > budget_s
         bar.n = min(round(elapsed), bar.total)
         bar.set_postfix({"step": step, "reward": f"{row['reward/mean']:.3f}"})
@@ -306,8 +381,8 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
         guard = metrics[spec.guard]
         below = guard_failures(metrics, val_base, spec.guard)
         kept = not below
-        bar.write(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} "
-                  f"{guard:.2f}" + ("" if kept else f" (below the guard floor: {', '.join(below)})"))
+        note(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} {guard:.2f}"
+             + ("" if kept else f" (below the guard floor: {', '.join(below)})"))
         if not kept and spec.stop_on_guard:
             stop_reason["why"] = (f"early stop at step {step}: validation {below[0]} {metrics[below[0]]:.2f} fell "
                                   f"below {GUARD_FLOOR:.0%} of the base model's {val_base[below[0]]:.2f}")
@@ -316,25 +391,29 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
             reported.update(step=step, metrics=metrics)
             policy.save(snapshot)
         # the pace so far includes the validation checks, which the rest of the budget has too
-        end = None if out_of_time else trainer.fit_schedule_to_budget(time.perf_counter() - train_start, budget_s)
+        end = None if out_of_time else trainer.fit_schedule_to_budget(
+            trainer.max_on_processes(time.perf_counter() - train_start), budget_s)
         if end is not None:
-            bar.write(f"step {step}: the lr schedule now ends at step {end}, where the time budget is projected "
-                      "to end")
+            note(f"step {step}: the lr schedule now ends at step {end}, where the time budget is projected to end")
         if out_of_time:
             stop_reason["why"] = f"{budget_note} of {budget_s / 60:.1f} minutes reached at step {step}"
         return out_of_time
 
     with bar:
         history = trainer.train(should_stop=should_stop)
+    acc.wait_for_everyone()  # the main process saved the snapshot
     policy.load(snapshot)
     after, after_batch = evaluate(policy, zoo, items, spec, flow, circular=True)
+    schedule_end = trainer.schedule_warp.planned_end()
+    trainer.close()
+    if not main:
+        return None
     total_minutes = (time.perf_counter() - start) / 60.0
-
     result = {"task": spec.task, "metric": spec.metric, "before": before[spec.metric],
               "after": after[spec.metric], "minutes": round(total_minutes, 2)}
     (out / "demo.json").write_text(json.dumps(result, indent=2))
     write_report(out, which, spec, cfg, before, after, validations, history, reported["step"], stop_reason["why"],
-                 before_batch, after_batch, total_minutes, trainer.schedule_warp.planned_end())
+                 before_batch, after_batch, total_minutes, schedule_end, acc.num_processes)
     console.print(comparison_table(spec, before, after, flow))
     console.print(f"wrote {out / 'report.md'} and {out / 'demo.json'} ({total_minutes:.1f} minutes)")
     return result
@@ -361,9 +440,9 @@ def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -
 def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[str, float],
                  after: dict[str, float], validations: list[tuple[int, dict[str, float]]],
                  history: list[dict[str, Any]], reported_step: int, stop_reason: str, before_batch: Any,
-                 after_batch: Any, minutes: float, schedule_end: float) -> None:
+                 after_batch: Any, minutes: float, schedule_end: float, processes: int) -> None:
     """report.md with the before/after table, the training and validation curves, and before/after samples.
-    ``schedule_end`` is the step the lr schedule was last planned to end at."""
+    ``schedule_end`` is the step the lr schedule was last planned to end at; ``processes`` trained together."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -422,7 +501,7 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     text = f"""# mmgrpo demo {which}: {spec.task}
 
 GRPO on the tiny shipped model, on CPU, with no downloads. Preset: `{spec.preset}`
-({cfg.train.group_size} samples per prompt, {cfg.train.prompts_per_step} prompts per step, lr {cfg.optim.lr}
+({cfg.train.group_size} samples per prompt, {cfg.train.prompts_per_step} prompts per step{f" split over {processes} processes (DDP)" if processes > 1 else ""}, lr {cfg.optim.lr}
 ({schedule}), KL beta {cfg.grpo.kl_beta}, clip {cfg.grpo.clip_eps}{sampling}, rewards {", ".join(f"{r.name} x {r.weight:g}" for r in cfg.rewards)}).
 The held-out set ({len(before_batch) // spec.samples_per_prompt} prompts, each sampled {spec.samples_per_prompt}
 time(s) with fixed seeds) was scored only before and after training.

@@ -319,7 +319,7 @@ class Trainer:
 
         rounds = 0
         while rounds < cfg.grpo.refill_rounds:
-            missing = int(self._max_on_processes(share - groups_with_signal()))  # the same on every process
+            missing = int(self.max_on_processes(share - groups_with_signal()))  # the same on every process
             if missing <= 0:
                 break
             items_idx, group_ids = self.sampler.next(missing * acc.num_processes)
@@ -576,7 +576,7 @@ class Trainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def _max_on_processes(self, value: float) -> float:
+    def max_on_processes(self, value: float) -> float:
         """The largest ``value`` over the processes (every process gets the same answer)."""
         if self.accelerator.num_processes == 1:
             return value
@@ -584,7 +584,7 @@ class Trainer:
 
     def _on_any_process(self, flag: bool) -> bool:
         """Whether ``flag`` is set on any process (every process gets the same answer)."""
-        return self._max_on_processes(float(flag)) > 0
+        return self.max_on_processes(float(flag)) > 0
 
     @property
     def budget_s(self) -> float:
@@ -594,7 +594,7 @@ class Trainer:
     def _budget_spent(self, seconds: float) -> bool:
         """Whether ``seconds`` of training (on the slowest process) reach the ``train.max_minutes`` budget; False
         without one. The same answer on every process."""
-        return bool(self.budget_s) and self._max_on_processes(seconds) >= self.budget_s
+        return bool(self.budget_s) and self.max_on_processes(seconds) >= self.budget_s
 
     def _out_of_time(self, bar: tqdm) -> bool:
         """Whether the ``train.max_minutes`` budget is spent (False without one), the same answer on every process.
@@ -603,7 +603,7 @@ class Trainer:
         budget_s = self.budget_s
         if not budget_s:
             return False
-        elapsed = self._max_on_processes(self.train_seconds)  # the slowest process's clock decides for all
+        elapsed = self.max_on_processes(self.train_seconds)  # the slowest process's clock decides for all
         if elapsed >= budget_s:
             return True
         if self.step == 0 or elapsed <= 0:  # no pace to project from yet

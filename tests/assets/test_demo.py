@@ -1,13 +1,14 @@
 """`mmgrpo demo` end to end on the shipped tiny models (flow: ShapesT2I; vlm: ShapesQA + MotionQA), shrunk to one
 training step."""
 
-import dataclasses
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from small_demo import shrink
 
 from mmgrpo import demo
 from mmgrpo.config import RewardSpec
@@ -15,17 +16,15 @@ from mmgrpo.pipelines.vlm.data import read_samples, render_prompt, reward_meta
 from mmgrpo.rewards import RewardBatch
 from mmgrpo.rewards.zoo import RewardZoo
 
-SMALL = ["data.num_eval=3", "train.prompts_per_step=2", "train.group_size=4", "train.micro_batch_size=8",
-         "num_threads=1"]
+SUPPORT = Path(__file__).resolve().parents[1] / "support"
+
 
 
 @pytest.fixture
 def small_demo(monkeypatch):
     threads = torch.get_num_threads()
     for which, samples in (("flow", 2), ("vlm", 1)):
-        spec = dataclasses.replace(demo.DEMOS[which], overrides=SMALL, samples_per_prompt=samples, num_val=2,
-                                   eval_every=1)
-        monkeypatch.setitem(demo.DEMOS, which, spec)
+        monkeypatch.setitem(demo.DEMOS, which, shrink(which, samples))
     yield
     torch.set_num_threads(threads)
 
@@ -47,26 +46,48 @@ def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     assert "scored only before and after training" in report
 
 
-def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
-    result = demo.run_demo("vlm", str(tmp_path), minutes=0.0)
-    saved = json.loads((tmp_path / "demo.json").read_text())
+def before_columns(out: Path) -> dict[str, str]:
+    """The "before" column of the report's table and of samples.md: {measure or prompt: value as written}."""
+    rows = [line.strip().strip("|").split(" | ") for name in ("report.md", "samples.md")
+            for line in (out / name).read_text().splitlines() if line.startswith("| ")]
+    return {cells[0].strip(): cells[1].strip() for cells in rows if len(cells) >= 3}
+
+
+def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, support_env, monkeypatch):
+    """The demo in one process, then as ``mmgrpo demo vlm`` runs it by default on a 2-core CPU: two gloo DDP
+    processes that train together and split every evaluation. Split and gathered, the evaluation of the base
+    model is the one-process evaluation, measure for measure and answer for answer."""
+    out = tmp_path / "one"
+    result = demo.run_demo("vlm", str(out), minutes=0.0)
+    saved = json.loads((out / "demo.json").read_text())
     assert saved == result and saved["metric"] == "accuracy" and 0 <= saved["after"] <= 1
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["ratio/onpolicy_max_dev"] <= 1e-6
     assert {"reward/accuracy/mean", "reward/format/mean"} <= set(rows[0])
-    report = (tmp_path / "report.md").read_text()
-    assert "| accuracy |" in report and (tmp_path / "reward_curve.png").stat().st_size > 1000
+    report = (out / "report.md").read_text()
+    assert "| accuracy |" in report and (out / "reward_curve.png").stat().st_size > 1000
     assert "| answer_diversity |" in report and "`answer_diversity`" in report
     assert "| circular_accuracy |" in report
     for kind in ("colour", "shape", "count"):  # the first 3 held-out questions, one per image kind
         assert f"| accuracy/shapes_qa/{kind} |" in report
     for kind in ("colour", "shape"):  # the multiple-choice ones
         assert f"| answer_diversity/shapes_qa/{kind} |" in report
-    assert (tmp_path / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
-    png = (tmp_path / "samples.png").read_bytes()  # the media, questions and answers of the 3 held-out questions
+    assert (out / "samples.md").read_text().count("<answer>") >= 2  # before and after completions
+    png = (out / "samples.png").read_bytes()  # the media, questions and answers of the 3 held-out questions
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
     assert "![before/after samples](samples.png)" in report and "[samples.md](samples.md)" in report
     assert "validation set of 2 unseen prompts from assets/data/shapes_qa/val.jsonl" in report
+
+    monkeypatch.setenv("PYTHONPATH", support_env["PYTHONPATH"])  # the launched processes import tests/support
+    ddp = tmp_path / "ddp"
+    assert demo.launch(2, [str(SUPPORT / "demo_ddp_check.py"), "vlm", str(ddp)]) == 0
+    rows = [json.loads(line) for line in (ddp / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["ratio/onpolicy_max_dev"] <= 1e-6
+    assert json.loads((ddp / "run" / "checkpoints" / "step-1" / "trainer_state.json").read_text())[
+        "num_processes"] == 2
+    assert "2 prompts per step split over 2 processes (DDP)" in (ddp / "report.md").read_text()
+    one_process = before_columns(out)
+    assert len(one_process) >= 3 + 8 and before_columns(ddp) == one_process
 
 
 def test_training_budget_leaves_room_for_the_evaluations_after_training():

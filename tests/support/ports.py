@@ -1,10 +1,6 @@
-"""A free loopback TCP port, so tests that run side by side (pytest-xdist workers) never share a rendezvous."""
+"""A free loopback TCP port, so tests that run side by side (pytest-xdist workers) never share a rendezvous: the
+one ``mmgrpo demo`` launches its processes on."""
 
-import socket
+from mmgrpo.demo import free_port
 
-
-def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now (the OS picks it; the caller binds it soon after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]
