@@ -289,11 +289,17 @@ def free_port() -> int:
 def launch(num_processes: int, program: list[str]) -> int:
     """Run ``program`` (what follows ``python``: ``-m module args`` or ``script args``) in ``num_processes`` CPU
     processes with gloo DDP (``accelerate launch`` with ``configs/accelerate/cpu_2proc.yaml``) on a free local
-    port, and return its exit code. The processes get the launch time in :data:`LAUNCHED_AT`."""
+    port, and return its exit code. The processes get the launch time in :data:`LAUNCHED_AT`. Ctrl-C reaches them
+    too (they stop after the step, as a one-process run does); this waits for them to end."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "--num_processes", str(num_processes),
                "--main_process_port", str(free_port()), *program]
-    return subprocess.run(command, check=False, env={**os.environ, LAUNCHED_AT: str(time.time())}).returncode
+    with subprocess.Popen(command, env={**os.environ, LAUNCHED_AT: str(time.time())}) as processes:
+        while True:
+            try:
+                return processes.wait()
+            except KeyboardInterrupt:
+                continue
 
 
 def training_budget_s(train_minutes: float, elapsed_s: float, held_out_eval_s: float, val_eval_s: float,
