@@ -23,8 +23,8 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support"
 @pytest.fixture
 def small_demo(monkeypatch):
     threads = torch.get_num_threads()
-    for which, samples in (("flow", 2), ("vlm", 1)):
-        monkeypatch.setitem(demo.DEMOS, which, shrink(which, samples))
+    for which in ("flow", "vlm"):
+        monkeypatch.setitem(demo.DEMOS, which, shrink(which))
     yield
     torch.set_num_threads(threads)
 

@@ -11,6 +11,6 @@ from small_demo import shrink
 from mmgrpo import demo
 
 which, out = sys.argv[1], sys.argv[2]
-demo.DEMOS[which] = shrink(which, {"flow": 2, "vlm": 1}[which])
+demo.DEMOS[which] = shrink(which)
 with demo.in_repo():
     demo.run_demo(which, out, minutes=0.0)

@@ -9,8 +9,11 @@ SMALL = ["data.num_eval=3", "train.prompts_per_step=2", "train.group_size=4", "t
          "num_threads=1"]
 
 
-def shrink(which: str, samples_per_prompt: int) -> demo.DemoSpec:
-    """``demo.DEMOS[which]`` shrunk, with ``samples_per_prompt`` held-out samples per prompt. One process, so that
-    ``mmgrpo demo`` runs it in the calling process."""
-    return dataclasses.replace(demo.DEMOS[which], overrides=SMALL, samples_per_prompt=samples_per_prompt,
+SAMPLES_PER_PROMPT = {"flow": 2, "vlm": 1}
+"""Held-out samples per prompt: flow needs two for its diversity measure."""
+
+
+def shrink(which: str) -> demo.DemoSpec:
+    """``demo.DEMOS[which]`` shrunk. One process, so that ``mmgrpo demo`` runs it in the calling process."""
+    return dataclasses.replace(demo.DEMOS[which], overrides=SMALL, samples_per_prompt=SAMPLES_PER_PROMPT[which],
                                num_val=2, eval_every=1, num_processes=1)
