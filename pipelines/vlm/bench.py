@@ -123,8 +123,8 @@ def rollout_cell(vlm: VLMModel, prompt: dict[str, torch.Tensor], group: int) -> 
             lambda: generate_group_naive(vlm, prompt, group, cfg, torch.Generator().manual_seed(0)))
         with torch.no_grad():
             prefill_shared, prefill_naive = alternating_medians(
-                lambda: prefill(vlm, prompt, group, True, COMPLETION),
-                lambda: prefill(vlm, prompt, group, False, COMPLETION))
+                lambda: prefill(vlm, [prompt], group, True, COMPLETION),
+                lambda: prefill(vlm, [prompt], group, False, COMPLETION))
     finally:
         vlm.eos_token_ids = eos
     return {"shared_s": shared, "naive_s": naive, "rollout_speedup": naive / shared,

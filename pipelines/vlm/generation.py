@@ -1,9 +1,9 @@
 """Group sampling: G completions of a prompt with the prompt prefilled once.
 
-``generate_groups`` runs each prompt (text + vision tokens, vision tower included) once at batch 1, repeats its KV
-cache to the G rows, and samples token by token, with the groups of several prompts decoded together (up to
-``generation.batch_rows`` rows: their caches left-padded to a common length and the padding masked), so a step
-costs one model call per token instead of one per token and prompt. ``generate_group`` is one prompt;
+``generate_groups`` prefills the prompts of up to ``generation.batch_rows`` rows together (text + vision tokens,
+vision tower included; left-padded to the longest, the padding masked), each once, repeats each KV cache to its G
+rows, and samples token by token with all those groups in one batch, so a step costs one prefill call and one
+model call per token instead of one of each per prompt. ``generate_group`` is one prompt;
 ``generate_group_naive`` prefills the prompt G times (what TRL does) and is kept as the benchmark baseline. All
 share the decoding loop: temperature / top-k / top-p sampling from a ``torch.Generator``, vision special tokens
 (and embedding rows past the tokenizer) never sampled, M-RoPE positions continuing each row's prompt, and finished
@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from mmgrpo.pipelines.vlm.config import VLMGenerationConfig
 from mmgrpo.pipelines.vlm.logprobs import gather_logprobs, prompt_positions, vision_inputs
-from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.model import VLMModel, unwrap
 
 
 @dataclass
@@ -135,49 +135,61 @@ def base_class(model: torch.nn.Module) -> type:
     return type(model.get_base_model() if hasattr(model, "get_base_model") else model)
 
 
-def prefill(vlm: VLMModel, inputs: dict[str, torch.Tensor], rows: int, shared: bool, max_new_tokens: int):
-    """Prompt forward for ``rows`` samples: once at batch 1 with the KV cache repeated (``shared``), or on ``rows``
-    copies of the prompt. Full-attention cache layers move into buffers with room for ``max_new_tokens``.
-    Returns (next-token logits (rows,V) fp32, cache, first completion position (lead,1,1))."""
+def full_attention_only(vlm: VLMModel) -> bool:
+    """Whether every decoder layer attends to the whole sequence (no sliding-window layers), so that prompts of
+    different lengths can share one left-padded prefill."""
+    config = unwrap(vlm.model).config
+    layer_types = getattr(getattr(config, "text_config", config), "layer_types", None) or ()
+    return all(kind == "full_attention" for kind in layer_types)
+
+
+def prefill(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], rows: int, shared: bool, max_new_tokens: int):
+    """Prompt forward for ``rows`` samples of each of ``prompts`` (batch-1 inputs from ``VLMModel.prompt_inputs``).
+
+    ``shared``: the prompts, left-padded to the longest, run together once (vision tower included) and each KV
+    cache is repeated to its ``rows``. Otherwise one prompt runs on ``rows`` copies (the benchmark baseline).
+    Full-attention cache layers move into buffers with room for ``max_new_tokens``. Returns (next-token logits
+    (n*rows,V) fp32, cache, first completion positions (lead,n*rows,1), attention mask (n*rows,capacity) hiding
+    the left padding, or None when no prompt is padded); rows are grouped by prompt, in order."""
+    if not shared and len(prompts) != 1:
+        raise ValueError(f"an unshared prefill takes one prompt, got {len(prompts)}")
     model = vlm.model
-    positions = prompt_positions(model, inputs)
+    lengths = [p["input_ids"].shape[1] for p in prompts]
+    length = max(lengths)
+    padded = min(lengths) < length
+    if padded and not full_attention_only(vlm):
+        raise ValueError("prompts of different lengths cannot share a prefill with sliding-window layers")
+    own_positions = [prompt_positions(model, p) for p in prompts]
+    lead = own_positions[0].shape[0]
+    ids = prompts[0]["input_ids"].new_full((len(prompts), length), vlm.pad_token_id)
+    positions = own_positions[0].new_zeros(lead, len(prompts), length)
+    keep = torch.zeros(len(prompts), length, dtype=torch.long, device=ids.device)
+    for i, (p, own) in enumerate(zip(prompts, own_positions)):
+        ids[i, length - own.shape[-1]:] = p["input_ids"][0]
+        positions[:, i, length - own.shape[-1]:] = own[:, 0]
+        keep[i, length - own.shape[-1]:] = 1
     copies = 1 if shared else rows
-    out = model(input_ids=inputs["input_ids"].expand(copies, -1), position_ids=positions.expand(-1, copies, -1)
-                if positions.shape[0] == 3 else positions[0].expand(copies, -1),
-                use_cache=True, logits_to_keep=1, **vision_inputs([inputs] * copies))
+    batch = copies * len(prompts)  # copies > 1 only with one prompt
+    position_ids = positions.expand(-1, batch, -1)
+    out = model(input_ids=ids.expand(batch, -1), position_ids=position_ids if lead == 3 else position_ids[0],
+                attention_mask=keep if padded else None, use_cache=True, logits_to_keep=1,
+                **vision_inputs(prompts * copies))
     cache = getattr(out, cache_argument(base_class(model)))
-    capacity = inputs["input_ids"].shape[1] + max_new_tokens
+    capacity = length + max_new_tokens
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
-            cache.layers[i] = BufferLayer.from_prefixes([(layer.keys, layer.values, rows)], capacity)
+            prefixes = ([(layer.keys[j:j + 1], layer.values[j:j + 1], rows) for j in range(len(prompts))]
+                        if shared else [(layer.keys, layer.values, rows)])
+            cache.layers[i] = BufferLayer.from_prefixes(prefixes, capacity)
         elif shared:
             layer.batch_repeat_interleave(rows)
-    logits = out.logits[:, -1].float().expand(rows, -1)
-    return logits, cache, positions[..., -1:] + 1
-
-
-def stack_prefills(prefills: list[tuple[torch.Tensor, object, torch.Tensor]], max_new_tokens: int):
-    """The :func:`prefill` outputs of several prompts as one batch: (logits (B,V), cache with every prompt's rows,
-    next positions (lead,B,1), attention mask (B,capacity) that hides the left padding of shorter prompts). None
-    when a cache layer is not a :class:`BufferLayer` (sliding-window layers cannot be left-padded)."""
-    caches = [cache for _, cache, _ in prefills]
-    if not all(type(layer) is BufferLayer for cache in caches for layer in cache.layers):
-        return None
-    lengths = [cache.layers[0].length for cache in caches]  # before the merge below replaces caches[0]'s layers
-    length = max(lengths)
-    capacity = length + max_new_tokens
-    merged = caches[0]
-    for i in range(len(merged.layers)):
-        merged.layers[i] = BufferLayer.from_prefixes(
-            [(c.layers[i].keys, c.layers[i].values, c.layers[i].keys.shape[0]) for c in caches], capacity)
-    logits = torch.cat([lg for lg, _, _ in prefills])
-    positions = torch.cat([nxt.expand(-1, len(lg), -1) for lg, _, nxt in prefills], dim=1)
-    attention = torch.ones(len(logits), capacity, dtype=torch.long, device=logits.device)
-    row = 0
-    for (lg, _, _), own in zip(prefills, lengths):
-        attention[row:row + len(lg), :length - own] = 0
-        row += len(lg)
-    return logits, merged, positions, attention
+    repeat = rows if shared else 1
+    logits = out.logits[:, -1].float().repeat_interleave(repeat, dim=0)
+    attention = None
+    if padded:
+        attention = torch.ones(len(logits), capacity, dtype=torch.long, device=logits.device)
+        attention[:, :length] = keep.repeat_interleave(rows, dim=0)
+    return logits, cache, positions[..., -1:].repeat_interleave(rows, dim=1) + 1, attention
 
 
 @torch.no_grad()
@@ -262,19 +274,15 @@ def generate_groups(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], group
     together, ``gen_cfg.batch_rows`` rows at a time (0: one group at a time; a group is never split).
     ``synced``: see :func:`decode` (every process must pass the same number of prompts)."""
     per_call = max(1, gen_cfg.batch_rows // group_size)
+    if not full_attention_only(vlm):
+        per_call = 1  # sliding-window caches cannot be left-padded
     out = []
     with eval_mode(vlm.model):
         for start in range(0, len(prompts), per_call):
-            prefills = [prefill(vlm, inputs, group_size, True, gen_cfg.max_new_tokens)
-                        for inputs in prompts[start:start + per_call]]
-            stacked = stack_prefills(prefills, gen_cfg.max_new_tokens) if len(prefills) > 1 else None
-            if stacked is not None:
-                logits, cache, positions, attention = stacked
-                decoded = [decode(vlm, logits, cache, positions, gen_cfg, generator, attention, synced)]
-            else:
-                decoded = [decode(vlm, *p, gen_cfg, generator, synced=synced) for p in prefills]
-            for batch in decoded:
-                out += [batch.rows(r, r + group_size) for r in range(0, len(batch.texts), group_size)]
+            logits, cache, positions, attention = prefill(vlm, prompts[start:start + per_call], group_size, True,
+                                                          gen_cfg.max_new_tokens)
+            batch = decode(vlm, logits, cache, positions, gen_cfg, generator, attention, synced)
+            out += [batch.rows(r, r + group_size) for r in range(0, len(batch.texts), group_size)]
     return out
 
 
@@ -290,4 +298,5 @@ def generate_group_naive(vlm: VLMModel, inputs: dict[str, torch.Tensor], group_s
                          gen_cfg: VLMGenerationConfig, generator: torch.Generator | None = None) -> Completions:
     """Baseline with the same sampling: the prompt repeated ``group_size`` times and prefilled on every copy."""
     with eval_mode(vlm.model):
-        return decode(vlm, *prefill(vlm, inputs, group_size, False, gen_cfg.max_new_tokens), gen_cfg, generator)
+        logits, cache, positions, _ = prefill(vlm, [inputs], group_size, False, gen_cfg.max_new_tokens)
+        return decode(vlm, logits, cache, positions, gen_cfg, generator)

@@ -68,7 +68,7 @@ def reference(grouper: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor
 
 expected = {grouper: reference(grouper) for grouper in (False, True)}
 with torch.no_grad():
-    expected_prefill = prefill(policy.vlm, prefills[rank], 2, True, 4)[0]
+    expected_prefill = prefill(policy.vlm, [prefills[rank]], 2, True, 4)[0]
 
 calls = calls_to_balance([i["sample"] for i in items])
 balancer = VisionCallBalancer(model, calls)
@@ -96,7 +96,7 @@ for grouper in (False, True):
     model.zero_grad(set_to_none=True)
 tower_calls[0] = 0
 with torch.no_grad():
-    logits = prefill(policy.vlm, prefills[rank], 2, True, 4)[0]
+    logits = prefill(policy.vlm, [prefills[rank]], 2, True, 4)[0]
 report["tower_calls"].append(tower_calls[0])
 report["prefill_diff"] = float((logits - expected_prefill).abs().max())
 

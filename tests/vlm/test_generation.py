@@ -3,6 +3,7 @@ decode positions (M-RoPE) that agree with a full forward, several prompts decode
 decoding (every process steps until all are done) with and without FSDP2-sharded weights, and sampling with the
 whole weights gathered once."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,14 @@ from mmgrpo.pipelines.vlm.config import VLMGenerationConfig, VLMModelConfig
 from mmgrpo.pipelines.vlm.generation import (
     generate_group,
     generate_group_naive,
+    full_attention_only,
     generate_groups,
     prefill,
     sample_tokens,
 )
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.tiny import build_tiny_vlm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,8 +92,8 @@ def test_sampling_is_reproducible_with_a_seeded_generator(vlm, video_prompt):
 
 def test_shared_prefill_equals_per_row_prefill(vlm, video_prompt):
     with torch.no_grad():
-        shared, shared_cache, shared_next = prefill(vlm, video_prompt, 4, True, 8)
-        naive, naive_cache, naive_next = prefill(vlm, video_prompt, 4, False, 8)
+        shared, shared_cache, shared_next, _ = prefill(vlm, [video_prompt], 4, True, 8)
+        naive, naive_cache, naive_next, _ = prefill(vlm, [video_prompt], 4, False, 8)
     assert torch.equal(shared_next, naive_next)
     diff = (shared.log_softmax(-1) - naive.log_softmax(-1)).abs().max()
     assert diff < 1e-5
@@ -167,6 +170,30 @@ def test_groups_decoded_together_equal_groups_decoded_alone(vlm, prompts, order)
             assert torch.equal(a.truncated, b.truncated) and (a.logprobs - b.logprobs).abs().max() < 1e-5
 
 
+def test_sliding_window_layers_prefill_one_prompt_at_a_time(tmp_path):
+    """Left padding needs full-attention caches: with sliding-window layers the prompts are prefilled one at a
+    time, and prefilling prompts of different lengths together is refused."""
+    folder = build_tiny_vlm("qwen2_vl", tmp_path / "sliding")
+    config = json.loads((folder / "config.json").read_text())
+    text = config.setdefault("text_config", {})
+    text.update(use_sliding_window=True, sliding_window=16, max_window_layers=1, layer_types=None)
+    (folder / "config.json").write_text(json.dumps(config))
+    sliding = VLMModel(VLMModelConfig(path=str(folder)))
+    assert not full_attention_only(sliding)
+    inputs = [sliding.prompt_inputs("Which colour is it?", [], [], []),
+              sliding.prompt_inputs("Count to three, slowly.", [], [], [])]
+    assert inputs[0]["input_ids"].shape[1] != inputs[1]["input_ids"].shape[1]
+    with torch.no_grad():
+        _, cache, _, _ = prefill(sliding, inputs[:1], 2, True, 4)
+    assert {type(layer).__name__ for layer in cache.layers} == {"BufferLayer", "DynamicSlidingWindowLayer"}
+    with pytest.raises(ValueError, match="sliding-window"), torch.no_grad():
+        prefill(sliding, inputs, 2, True, 4)
+    greedy = VLMGenerationConfig(max_new_tokens=6, temperature=0.0, batch_rows=8)
+    together = generate_groups(sliding, inputs, 2, greedy)
+    for p, out in zip(inputs, together):
+        assert torch.equal(out.ids, generate_group(sliding, p, 2, greedy).ids)
+
+
 @pytest.mark.parametrize("order", ["longest first", "shortest first"])
 def test_sampled_groups_decoded_together_score_like_the_full_forward(vlm, prompts, order):
     """Every row's positions and padding mask are right: its tokens score as in one forward of [its prompt;
@@ -202,7 +229,7 @@ def test_synced_decoding_runs_every_forward_and_samples_the_same():
             needed = len(calls)
             calls.clear()
             synced = generate_groups(vlm, prompts, 4, cfg, seeded(7), synced=lambda more: True)
-            assert len(calls) == len(prompts) + cfg.max_new_tokens - 1  # prefills, then one call per token step
+            assert len(calls) == 1 + cfg.max_new_tokens - 1  # one prefill of both prompts, one call per token step
             assert needed < len(calls)  # these rows end early on their own
             for a, b in zip(alone, synced):
                 assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and a.texts == b.texts

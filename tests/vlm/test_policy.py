@@ -235,11 +235,12 @@ def test_synced_evaluation_stands_in_for_skipped_items(lora_policy, tmp_path):
     items = [policy._item(s) for s in read_samples(bad_data(tmp_path, good=2), DATA)]
     good, bad = items[:2], items[2:4]
     calls = []
-    hook = policy.vlm.model.register_forward_hook(lambda *args: calls.append(1))
+    hook = policy.vlm.model.register_forward_hook(lambda module, args, kwargs, out: calls.append(
+        len(kwargs["input_ids"])), with_kwargs=True)  # rows of each model call
     try:
         with pytest.warns(UserWarning, match="skipping"):
             plain = policy.generate([good[0], bad[0], good[1], bad[1]])
-        plain_calls, calls[:] = len(calls), []
+        plain_rows, calls[:] = sum(calls), []
         policy.synced = lambda more: more  # one process: "any process" is this one
         synced = policy.generate([good[0], bad[0], good[1], bad[1]])
     finally:
@@ -248,7 +249,7 @@ def test_synced_evaluation_stands_in_for_skipped_items(lora_policy, tmp_path):
         policy._bad.clear()
     assert synced.completions == plain.completions and len(synced) == 2
     assert [m["source"] for m in synced.meta] == [g["sample"].source for g in good]
-    assert len(calls) > plain_calls  # the stand-ins were sampled too
+    assert sum(calls) > plain_rows  # the stand-ins were sampled too
 
 
 def test_prompt_over_the_token_budget(lora_policy):

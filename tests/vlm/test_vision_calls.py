@@ -93,7 +93,7 @@ def test_decoding_steps_are_not_topped_up(vlm, tower_calls):
     balancer = VisionCallBalancer(vlm.model, calls=2)
     try:
         with torch.no_grad():
-            logits, cache, position = prefill(vlm, inputs, rows=2, shared=True, max_new_tokens=4)
+            logits, cache, position, _ = prefill(vlm, [inputs], rows=2, shared=True, max_new_tokens=4)
             assert len(tower_calls) == 2  # the video, then one dummy
             token = logits.argmax(-1)
             vlm.model(input_ids=token[:, None], position_ids=position.expand(-1, 2, -1), use_cache=True,
@@ -109,7 +109,7 @@ def test_more_real_calls_than_balanced_to_is_an_error(vlm):
     try:
         with pytest.raises(RuntimeError, match="vision tower ran 2 times in one forward, more than the 1"), \
                 torch.no_grad():
-            prefill(vlm, inputs, rows=1, shared=True, max_new_tokens=1)
+            prefill(vlm, [inputs], rows=1, shared=True, max_new_tokens=1)
     finally:
         balancer.remove()
 
