@@ -11,9 +11,9 @@ import torch
 
 from mmgrpo.pipelines.vlm.config import VLMGenerationConfig, VLMModelConfig
 from mmgrpo.pipelines.vlm.generation import (
+    full_attention_only,
     generate_group,
     generate_group_naive,
-    full_attention_only,
     generate_groups,
     prefill,
     sample_tokens,
