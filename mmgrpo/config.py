@@ -138,6 +138,13 @@ class GRPOConfig:
     than its share of ``train.prompts_per_step``, sample up to this many more rounds of prompts, then train on each
     process's share, groups with signal first (the rest stay masked). 0 only masks. Each round costs a rollout
     (flow: of the same iteration, so in the same MixGRPO window)."""
+    oversample_prompts: int = ranged(0, low=0)
+    """Dynamic sampling, with ``mask_zero_std_groups``: the first rollout of a step samples this many prompts more
+    than ``train.prompts_per_step`` (split over the processes like them, so a multiple of their number); each
+    process then trains on its share of ``train.prompts_per_step`` groups, those with signal first in sampling
+    order, and drops the rest. Groups without signal are then replaced from the same rollout, so fewer refill
+    rounds (each a whole rollout) are needed: verl's DAPO recipe samples ``gen_batch_size`` prompts for every
+    ``train_batch_size`` it trains on for the same reason."""
     loss: str = "ppo_clip"
     """Policy loss (registry ``POLICY_LOSSES``): ppo_clip (clipped surrogate) or reinforce (unclipped ratio * A)."""
     clip_eps: float = ranged(0.2, low=0, low_open=True)

@@ -119,13 +119,23 @@ class Trainer:
         if cfg.grpo.refill_rounds and type(self.policy).merge_groups is Policy.merge_groups:
             raise ConfigError(f"bad value for 'grpo.refill_rounds': the {cfg.pipeline} pipeline cannot merge "
                               "rollouts; set it to 0 (grpo.mask_zero_std_groups still masks the groups)")
+        if cfg.grpo.oversample_prompts:
+            if not cfg.grpo.mask_zero_std_groups:
+                raise ConfigError("bad value for 'grpo.oversample_prompts': the extra groups replace those that "
+                                  "grpo.mask_zero_std_groups leaves out; set grpo.mask_zero_std_groups: true")
+            if cfg.grpo.oversample_prompts % acc.num_processes:
+                raise ConfigError(f"bad value for 'grpo.oversample_prompts': {cfg.grpo.oversample_prompts} must be "
+                                  f"divisible by the {acc.num_processes} processes")
+            if type(self.policy).merge_groups is Policy.merge_groups:
+                raise ConfigError(f"bad value for 'grpo.oversample_prompts': the {cfg.pipeline} pipeline cannot "
+                                  "drop groups from a rollout; set it to 0")
         acc.register_save_state_pre_hook(self._save_hook)
         acc.register_load_state_pre_hook(self._load_hook)
 
         self.train_items, self.eval_items = self.policy.datasets()
         check_even_eval_split(len(self.eval_items), acc.num_processes, sharded_parameters(acc))
-        self.sampler = GroupSampler(len(self.train_items), cfg.train.prompts_per_step, acc.num_processes,
-                                    acc.process_index, cfg.seed)
+        self.sampler = GroupSampler(len(self.train_items), cfg.train.prompts_per_step + cfg.grpo.oversample_prompts,
+                                    acc.num_processes, acc.process_index, cfg.seed)
         self.step = 0
         self.iteration = 0
         self.skipped_updates = 0
@@ -301,18 +311,19 @@ class Trainer:
 
     def refill(self, rollout: Rollout, main: torch.Tensor,
                logged: dict[str, torch.Tensor]) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], dict]:
-        """DAPO's dynamic sampling refill (``grpo.refill_rounds``): while any process has fewer groups with signal
-        than it rolled out in the first round, roll out another round of as many prompts per process as the most
-        any process misses; then keep the first round's number of groups on each process, those with signal first
-        and in sampling order (every process keeps as many rows, so their updates stay in step). Returns the merged
-        rollout, its (N, R) rewards and logged scores, and metrics.
+        """DAPO's dynamic sampling refill (``grpo.refill_rounds``, ``grpo.oversample_prompts``): while any process
+        has fewer groups with signal than its share of ``train.prompts_per_step``, roll out another round of as
+        many prompts per process as the most any process misses; then keep that share on each process, groups with
+        signal first and in sampling order (every process keeps as many rows, so their updates stay in step).
+        Returns the merged rollout, its (N, R) rewards and logged scores, and metrics.
 
         Every process runs every round (rewards and sharded forwards may be collective); a group's signal is
         decided by its own rewards, which live on one process."""
         cfg, acc = self.cfg, self.accelerator
         rollouts, mains, loggeds = [rollout], [main], [logged]
         signal = [self._signal_rows(main, rollout.group)]
-        share = len(rollout.group.unique())
+        share = cfg.train.prompts_per_step // acc.num_processes
+        sampled = len(rollout.group.unique())
 
         def groups_with_signal() -> int:
             return sum(len(r.group[s.to(r.group.device)].unique()) for r, s in zip(rollouts, signal))
@@ -332,7 +343,7 @@ class Trainer:
             loggeds.append(extra_logged)
             signal.append(self._signal_rows(extra_main, extra.group))
             rounds += 1
-        if rounds == 0:  # nothing sampled to replace a group with
+        if rounds == 0 and sampled == share:  # nothing sampled to replace a group with
             return rollout, main, logged, {"dynamic/rounds": 0.0, "dynamic/groups_sampled": float(share),
                                            "dynamic/signal_frac": groups_with_signal() / share}
         candidates = []  # (no signal, round, rows of the group): a stable sort puts groups with signal first
@@ -663,7 +674,7 @@ class Trainer:
                 main, logged, _ = self.rewards(rollout.reward_batch)
                 t2 = time.perf_counter()
                 iteration_metrics = {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1}
-                if cfg.grpo.refill_rounds:  # more rounds of rollouts and rewards, timed apart
+                if cfg.grpo.refill_rounds or cfg.grpo.oversample_prompts:  # more rounds of rollouts, timed apart
                     rollout, main, logged, refill_stats = self.refill(rollout, main, logged)
                     iteration_metrics.update(refill_stats)
                     iteration_metrics["time/refill_s"] = time.perf_counter() - t2

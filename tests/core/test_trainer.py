@@ -316,6 +316,31 @@ def test_refill_replaces_groups_without_signal_with_freshly_sampled_ones(tmp_pat
     assert [r["dynamic/rounds"] for r in never] == [2.0] * 6 and all(r["dynamic/signal_frac"] == 0 for r in never)
 
 
+def test_oversampled_prompts_replace_groups_without_signal_from_the_same_rollout(tmp_path):
+    common = ("toy.seq_len=1", "toy.num_arms=2", "train.group_size=2", "train.prompts_per_step=4",
+              "train.micro_batch_size=8", "grpo.mask_zero_std_groups=true", "train.max_steps=6",
+              "grpo.refill_rounds=8")
+    trained = []
+
+    class Recording(Trainer):
+        def train_on_rollout(self, rollout, unit_adv, on_step):
+            trained.append(len(rollout))
+            super().train_on_rollout(rollout, unit_adv, on_step)
+
+    plain = Trainer(toy(tmp_path / "plain", *common)).train()
+    history = Recording(toy(tmp_path / "over", *common, "grpo.oversample_prompts=4")).train()
+    assert trained == [4 * 2] * 6  # 4 groups of 2 trained at every step, never the 8 sampled
+    assert all(r["dynamic/signal_frac"] == 1.0 for r in history)
+    assert all(r["dynamic/groups_sampled"] >= 8 for r in history)
+    # half the pairs agree: 8 prompts usually hold 4 with signal, where 4 rarely do
+    assert sum(r["dynamic/rounds"] for r in history) < sum(r["dynamic/rounds"] for r in plain)
+    # without refill rounds the extra prompts alone still fill the step when they can
+    alone = Trainer(toy(tmp_path / "alone", *common[:-1], "grpo.oversample_prompts=4")).train()
+    assert all(r["dynamic/rounds"] == 0 and r["dynamic/groups_sampled"] == 8 for r in alone)
+    masked = Trainer(toy(tmp_path / "masked", *common[:-1])).train()
+    assert sum(r["groups/zero_std_frac"] for r in alone) < sum(r["groups/zero_std_frac"] for r in masked)
+
+
 def test_refill_needs_the_mask_and_a_policy_that_merges(tmp_path):
     from toy_bandit import ToyPolicy
 
@@ -323,12 +348,17 @@ def test_refill_needs_the_mask_and_a_policy_that_merges(tmp_path):
 
     with pytest.raises(ConfigError, match="set grpo.mask_zero_std_groups: true"):
         Trainer(toy(tmp_path / "a", "grpo.refill_rounds=1"))
+    with pytest.raises(ConfigError, match="'grpo.oversample_prompts'.*set grpo.mask_zero_std_groups: true"):
+        Trainer(toy(tmp_path / "c", "grpo.oversample_prompts=2"))
 
     class NoMerge(ToyPolicy):
         merge_groups = Policy.merge_groups
 
     cfg = toy(tmp_path / "b", "grpo.refill_rounds=1", "grpo.mask_zero_std_groups=true")
     with pytest.raises(ConfigError, match="cannot merge rollouts"):
+        Trainer(cfg, policy=NoMerge(cfg))
+    cfg = toy(tmp_path / "d", "grpo.oversample_prompts=2", "grpo.mask_zero_std_groups=true")
+    with pytest.raises(ConfigError, match="cannot drop groups"):
         Trainer(cfg, policy=NoMerge(cfg))
 
 

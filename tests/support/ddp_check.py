@@ -84,11 +84,12 @@ if acc.is_main_process:
         json.dump(summary, f)
 acc.wait_for_everyone()
 
-# dynamic sampling's refill: the processes draw different groups, so each would want another number of rounds;
-# they must run as many, keep as many rows, and end with the same parameters
+# dynamic sampling's refill (one extra prompt each in the first round): the processes draw different groups, so
+# each would want another number of rounds; they must run as many, keep as many rows, and end with the same parameters
 refill_cfg = load_config(None, [f"output_dir={run_dir}-refill", "train.prompts_per_step=4", "train.group_size=2",
                                 "train.micro_batch_size=4", "toy.seq_len=1", "toy.num_arms=2",
                                 "grpo.mask_zero_std_groups=true", "grpo.refill_rounds=6", "train.max_steps=4",
+                                "grpo.oversample_prompts=2",
                                 "optim.lr=0.05", "logging.progress=false"], schema=ToyConfig)
 trainer.policy.model = acc.unwrap_model(trainer.policy.model)  # done with it: its DDP wrapper holds the group
 refill = Trainer(refill_cfg, accelerator=acc)
