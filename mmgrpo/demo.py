@@ -501,9 +501,10 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
             f", re-planned to end at step {schedule_end:.0f}, where the time budget was projected to end"
             if schedule_end < cfg.train.max_steps else "")
     g = cfg.grpo
-    sampling = ("" if not g.mask_zero_std_groups else
-                ", groups without reward variance masked" + (f" and refilled (up to {g.refill_rounds} rounds)"
-                                                             if g.refill_rounds else ""))
+    refilled = [f"{g.oversample_prompts} extra prompts per step"] if g.oversample_prompts else []
+    refilled += [f"up to {g.refill_rounds} refill rounds"] if g.refill_rounds else []
+    sampling = ("" if not g.mask_zero_std_groups else ", groups without reward variance masked"
+                + (f" and replaced ({' and '.join(refilled)})" if refilled else ""))
     text = f"""# mmgrpo demo {which}: {spec.task}
 
 GRPO on the tiny shipped model, on CPU, with no downloads. Preset: `{spec.preset}`
