@@ -360,7 +360,7 @@ class Trainer:
         logged = {name: torch.cat([lg[name][r.to(lg[name].device)] for lg, r in zip(loggeds, rows)])
                   for name in logged}
         stats = {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(len(candidates)),
-                 "dynamic/signal_frac": sum(not c[0] for c in kept) / share}
+                 "dynamic/signal_frac": sum(not c[0] for c in kept) / max(len(kept), 1)}
         return merged, main, logged, stats
 
     def check_silent_rewards(self, rewards: torch.Tensor) -> None:
