@@ -83,32 +83,31 @@ class MetricsLog:
 
 
 def plot_metrics(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Draw one PNG per headline metric (and per reward) against the step. Returns the files written."""
+    """Draw one PNG per headline metric (and per reward) against the step. Returns the files written. One figure
+    is redrawn for every metric with fixed margins (no pyplot, no layout pass): a laid-out figure per metric took
+    1.5x as long (3.6 s against 2.5 s for a tiny flow preset's 27 metrics, on one thread)."""
     if not rows:
         return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    keys = headline_keys(rows)
+    fig = Figure(figsize=(5, 3.2), dpi=100)
+    fig.subplots_adjust(left=0.15, right=0.97, bottom=0.15, top=0.9)
+    ax = fig.add_subplot()
     written = []
-    for key in keys:
+    for key in headline_keys(rows):
         points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if not points:
             continue
-        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+        ax.clear()
         ax.plot(*zip(*points), marker="." if len(points) < 50 else None)
         ax.set_xlabel("optimiser step")
         ax.set_title(key)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
         path = out_dir / (key.replace("/", "_") + ".png")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fig.savefig(path)
-        plt.close(fig)
         written.append(path)
     return written
 
