@@ -195,7 +195,7 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mmgrpo.demo import demo_processes, in_repo, launch, missing_parts, run_demo
+    from mmgrpo.demo import LAUNCHED_AT, demo_processes, in_repo, launch, missing_parts, run_demo
 
     out = args.output_dir or f"runs/demo-{args.which}"  # relative to where the user is
     missing = missing_parts(args.which)
@@ -209,8 +209,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return launch(processes, ["-m", "mmgrpo.cli", "demo", args.which, "--output-dir", str(out), "--processes",
                                   str(processes), *minutes])
     with in_repo():
-        run_demo(args.which, str(out), args.minutes)
-    return 0
+        try:
+            _, stopped_by = run_demo(args.which, str(out), args.minutes)
+        except KeyboardInterrupt:  # before or after training, or a second Ctrl-C
+            if os.environ.get("RANK", "0") == "0":
+                print(f"demo interrupted before it finished: no report written to {out}", file=sys.stderr)
+            stopped_by = "SIGINT"
+    if LAUNCHED_AT in os.environ:  # a process of launch(), which reports the signal it passed on
+        return 0
+    return 128 + signal.Signals[stopped_by].value if stopped_by in signal.Signals.__members__ else 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import psutil
 import torch
 from accelerate import PartialState
 from accelerate.utils import gather_object
@@ -289,17 +291,34 @@ def free_port() -> int:
 def launch(num_processes: int, program: list[str]) -> int:
     """Run ``program`` (what follows ``python``: ``-m module args`` or ``script args``) in ``num_processes`` CPU
     processes with gloo DDP (``accelerate launch`` with ``configs/accelerate/cpu_2proc.yaml``) on a free local
-    port, and return its exit code. The processes get the launch time in :data:`LAUNCHED_AT`. Ctrl-C reaches them
-    too (they stop after the step, as a one-process run does); this waits for them to end."""
+    port. The processes get the launch time in :data:`LAUNCHED_AT`.
+
+    The launcher runs in its own session, so Ctrl-C reaches only this process, which passes each SIGINT, SIGTERM or
+    SIGHUP (as SIGTERM) on to the worker processes, once: they stop after the step as a one-process run does.
+    Signalled itself, torch's launcher would print a traceback and kill workers still saving after 30 s.
+
+    Returns the launcher's exit code, or 128 + the first signal passed on when the workers then ended cleanly."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "configs" / "accelerate" / "cpu_2proc.yaml"), "--num_processes", str(num_processes),
                "--main_process_port", str(free_port()), *program]
-    with subprocess.Popen(command, env={**os.environ, LAUNCHED_AT: str(time.time())}) as processes:
-        while True:
-            try:
-                return processes.wait()
-            except KeyboardInterrupt:
-                continue
+    passed_on: list[int] = []
+    with subprocess.Popen(command, env={**os.environ, LAUNCHED_AT: str(time.time())},
+                          start_new_session=True) as launcher:
+
+        def pass_on(signum: int, _frame: Any) -> None:
+            passed_on.append(signum)
+            workers = psutil.Process(launcher.pid).children()
+            for process in workers or [launcher]:  # none yet: the launcher is still starting them
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+
+        previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            code = launcher.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+    return 128 + passed_on[0] if passed_on and code == 0 else code
 
 
 def training_budget_s(train_minutes: float, elapsed_s: float, held_out_eval_s: float, val_eval_s: float,
@@ -313,8 +332,10 @@ def training_budget_s(train_minutes: float, elapsed_s: float, held_out_eval_s: f
     return max(0.0, min(60.0 * train_minutes, room))
 
 
-def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -> dict[str, Any] | None:
-    """Run one demo end to end and return what demo.json holds (None on all processes but the main one).
+def run_demo(which: str, output_dir: str | None,
+             minutes: float | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """Run one demo end to end. Returns what demo.json holds (None on all processes but the main one), and the
+    signal (``"SIGINT"``, ``"SIGTERM"``) that stopped training early, if one did: the report is written either way.
     ``minutes`` is the training budget; without it the demo's own (``DemoSpec.train_minutes``), cut to end the
     whole demo within ``DEMO_LIMIT_MINUTES``. Under ``accelerate launch`` (:func:`launch`) every process runs
     this: they train together and split the evaluations; the main one reports."""
@@ -407,13 +428,16 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
 
     with bar:
         history = trainer.train(should_stop=should_stop)
+    if trainer.interrupted:
+        stop_reason["why"] = (f"stopped by {trainer.interrupted} at step {trainer.step}; the checkpoint of that step "
+                              f"is in run/checkpoints")
     acc.wait_for_everyone()  # the main process saved the snapshot
     policy.load(snapshot)
     after, after_batch = evaluate(policy, zoo, items, spec, flow, circular=True)
     schedule_end = trainer.schedule_warp.planned_end()
     trainer.close()
     if not main:
-        return None
+        return None, trainer.interrupted
     total_minutes = (time.perf_counter() - start) / 60.0
     result = {"task": spec.task, "metric": spec.metric, "before": before[spec.metric],
               "after": after[spec.metric], "minutes": round(total_minutes, 2)}
@@ -422,7 +446,7 @@ def run_demo(which: str, output_dir: str | None, minutes: float | None = None) -
                  before_batch, after_batch, total_minutes, schedule_end, acc.num_processes)
     console.print(comparison_table(spec, before, after, flow))
     console.print(f"wrote {out / 'report.md'} and {out / 'demo.json'} ({total_minutes:.1f} minutes)")
-    return result
+    return result, trainer.interrupted
 
 
 def comparison_table(spec: DemoSpec, before: dict[str, float], after: dict[str, float], flow: bool) -> Any:

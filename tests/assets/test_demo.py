@@ -3,6 +3,10 @@ training step."""
 
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,8 +34,9 @@ def small_demo(monkeypatch):
 
 
 def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
-    result = demo.run_demo("flow", str(tmp_path), minutes=0.0)  # the budget ends after the first step
+    result, stopped_by = demo.run_demo("flow", str(tmp_path), minutes=0.0)  # the budget ends after the first step
     saved = json.loads((tmp_path / "demo.json").read_text())
+    assert stopped_by is None
     assert saved == result and set(saved) == {"task", "metric", "before", "after", "minutes"}
     assert saved["metric"] == "shapes_eval/score" and 0 <= saved["before"] <= 1 and 0 <= saved["after"] <= 1
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -58,7 +63,7 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, sup
     processes that train together and split every evaluation. Split and gathered, the evaluation of the base
     model is the one-process evaluation, measure for measure and answer for answer."""
     out = tmp_path / "one"
-    result = demo.run_demo("vlm", str(out), minutes=0.0)
+    result, _ = demo.run_demo("vlm", str(out), minutes=0.0)
     saved = json.loads((out / "demo.json").read_text())
     assert saved == result and saved["metric"] == "accuracy" and 0 <= saved["after"] <= 1
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -88,6 +93,30 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, sup
     assert "2 prompts per step split over 2 processes (DDP)" in (ddp / "report.md").read_text()
     one_process = before_columns(out)
     assert len(one_process) >= 3 + 8 and before_columns(ddp) == one_process
+
+
+def test_ctrl_c_stops_a_two_process_demo_after_the_step_and_it_still_reports(tmp_path, support_env):
+    """Ctrl-C reaches the process that launched the demo's two processes (they run in their own session), which
+    passes one SIGINT to each: they finish the step, save, evaluate and report, and the demo exits 130 with no
+    traceback from torch's launcher."""
+    out, log = tmp_path / "demo", tmp_path / "stderr.txt"
+    program = ["-c", "import sys; from mmgrpo.demo import launch; sys.exit(launch(2, sys.argv[1:]))",
+               str(SUPPORT / "demo_interrupt_check.py"), str(out)]
+    with log.open("w") as stderr:  # a file, not a pipe: nothing blocks on a full pipe while the test waits
+        proc = subprocess.Popen([sys.executable, *program], env={**support_env, "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        metrics = out / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.is_file() and metrics.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to its foreground process group
+        proc.wait(timeout=240)
+    text = log.read_text()
+    assert proc.returncode == 128 + signal.SIGINT, text[-3000:]
+    assert "Traceback" not in text and "death signal" not in text, text[-3000:]
+    steps = len(metrics.read_text().splitlines())
+    assert f"stopped by SIGINT at step {steps};" in (out / "report.md").read_text()
+    assert (out / "run" / "checkpoints" / f"step-{steps}").is_dir() and (out / "demo.json").is_file()
 
 
 def test_training_budget_leaves_room_for_the_evaluations_after_training():
