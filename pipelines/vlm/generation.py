@@ -164,10 +164,10 @@ def prefill(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], rows: int, sh
     ids = prompts[0]["input_ids"].new_full((len(prompts), length), vlm.pad_token_id)
     positions = own_positions[0].new_zeros(lead, len(prompts), length)
     keep = torch.zeros(len(prompts), length, dtype=torch.long, device=ids.device)
-    for i, (p, own) in enumerate(zip(prompts, own_positions)):
-        ids[i, length - own.shape[-1]:] = p["input_ids"][0]
-        positions[:, i, length - own.shape[-1]:] = own[:, 0]
-        keep[i, length - own.shape[-1]:] = 1
+    for i, (p, own, n) in enumerate(zip(prompts, own_positions, lengths)):  # left padding: the last n columns
+        ids[i, length - n:] = p["input_ids"][0]
+        positions[:, i, length - n:] = own[:, 0]
+        keep[i, length - n:] = 1
     copies = 1 if shared else rows
     batch = copies * len(prompts)  # copies > 1 only with one prompt
     position_ids = positions.expand(-1, batch, -1)
