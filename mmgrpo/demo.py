@@ -307,9 +307,12 @@ def launch(num_processes: int, program: list[str]) -> int:
 
         def pass_on(signum: int, _frame: Any) -> None:
             passed_on.append(signum)
-            workers = psutil.Process(launcher.pid).children()
+            try:
+                workers = psutil.Process(launcher.pid).children()
+            except psutil.NoSuchProcess:  # the launcher has just ended
+                return
             for process in workers or [launcher]:  # none yet: the launcher is still starting them
-                with contextlib.suppress(psutil.NoSuchProcess):
+                with contextlib.suppress(psutil.NoSuchProcess):  # this worker has just ended
                     process.send_signal(signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
 
         previous = {s: signal.signal(s, pass_on) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
