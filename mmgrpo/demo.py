@@ -399,6 +399,19 @@ def run_demo(which: str, output_dir: str | None,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
     note = bar.write if main else (lambda _text: None)
 
+    def validate(step: int) -> list[str]:
+        """Score the validation set, snapshot the policy if it is the one to report, and return the guard's
+        failures (empty when the snapshot counts)."""
+        metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
+        validations.append((step, metrics))
+        below = guard_failures(metrics, val_base, spec.guard)
+        note(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} "
+             f"{metrics[spec.guard]:.2f}" + (f" (below the guard floor: {', '.join(below)})" if below else ""))
+        if not below and (spec.selection == "last" or metrics[spec.metric] > reported["metrics"][spec.metric]):
+            reported.update(step=step, metrics=metrics)
+            policy.save(snapshot)
+        return below
+
     def should_stop(step: int, row: dict[str, Any]) -> bool:
         elapsed = trainer.max_on_processes(time.perf_counter() - train_start)
         out_of_time = elapsed > budget_s
@@ -406,20 +419,12 @@ def run_demo(which: str, output_dir: str | None,
         bar.set_postfix({"step": step, "reward": f"{row['reward/mean']:.3f}"})
         if step % spec.eval_every and not out_of_time:
             return False
-        metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
-        validations.append((step, metrics))
-        guard = metrics[spec.guard]
-        below = guard_failures(metrics, val_base, spec.guard)
-        kept = not below
-        note(f"step {step}: validation {spec.metric} = {metrics[spec.metric]:.3f}, {spec.guard} {guard:.2f}"
-             + ("" if kept else f" (below the guard floor: {', '.join(below)})"))
-        if not kept and spec.stop_on_guard:
+        below = validate(step)
+        if below and spec.stop_on_guard:
+            metrics = validations[-1][1]
             stop_reason["why"] = (f"early stop at step {step}: validation {below[0]} {metrics[below[0]]:.2f} fell "
                                   f"below {GUARD_FLOOR:.0%} of the base model's {val_base[below[0]]:.2f}")
             return True
-        if kept and (spec.selection == "last" or metrics[spec.metric] > reported["metrics"][spec.metric]):
-            reported.update(step=step, metrics=metrics)
-            policy.save(snapshot)
         # the pace so far includes the validation checks, which the rest of the budget has too
         end = None if out_of_time else trainer.fit_schedule_to_budget(
             trainer.max_on_processes(time.perf_counter() - train_start), budget_s)
@@ -431,9 +436,11 @@ def run_demo(which: str, output_dir: str | None,
 
     with bar:
         history = trainer.train(should_stop=should_stop)
-    if trainer.interrupted:
-        stop_reason["why"] = (f"stopped by {trainer.interrupted} at step {trainer.step}; the checkpoint of that step "
-                              f"is in run/checkpoints")
+    if trainer.interrupted:  # the step it stopped at is validated too, so that it can be the one reported
+        stop_reason["why"] = (f"stopped by {trainer.interrupted} at step {trainer.step}, which was validated too; "
+                              f"its checkpoint is in run/checkpoints")
+        if validations[-1][0] != trainer.step:
+            validate(trainer.step)
     acc.wait_for_everyone()  # the main process saved the snapshot
     policy.load(snapshot)
     after, after_batch = evaluate(policy, zoo, items, spec, flow, circular=True)

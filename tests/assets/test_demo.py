@@ -97,14 +97,14 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, sup
 
 def test_ctrl_c_stops_a_two_process_demo_after_the_step_and_it_still_reports(tmp_path, support_env):
     """Ctrl-C reaches the process that launched the demo's two processes (they run in their own session), which
-    passes one SIGINT to each: they finish the step, save, evaluate and report, and the demo exits 130 with no
-    traceback from torch's launcher."""
-    out, log = tmp_path / "demo", tmp_path / "stderr.txt"
+    passes one SIGINT to each: they finish the step, save, validate that step, evaluate and report, and the demo
+    exits 130 with no traceback from torch's launcher."""
+    out, log, printed = tmp_path / "demo", tmp_path / "stderr.txt", tmp_path / "stdout.txt"
     program = ["-c", "import sys; from mmgrpo.demo import launch; sys.exit(launch(2, sys.argv[1:]))",
                str(SUPPORT / "demo_interrupt_check.py"), str(out)]
-    with log.open("w") as stderr:  # a file, not a pipe: nothing blocks on a full pipe while the test waits
+    with log.open("w") as stderr, printed.open("w") as stdout:  # files: no pipe fills up while the test waits
         proc = subprocess.Popen([sys.executable, *program], env={**support_env, "OMP_NUM_THREADS": "1"},
-                                stdout=subprocess.DEVNULL, stderr=stderr)
+                                stdout=stdout, stderr=stderr)
         metrics = out / "run" / "metrics.jsonl"
         deadline = time.monotonic() + 240
         while not (metrics.is_file() and metrics.read_text()) and proc.poll() is None and time.monotonic() < deadline:
@@ -115,7 +115,8 @@ def test_ctrl_c_stops_a_two_process_demo_after_the_step_and_it_still_reports(tmp
     assert proc.returncode == 128 + signal.SIGINT, text[-3000:]
     assert "Traceback" not in text and "death signal" not in text, text[-3000:]
     steps = len(metrics.read_text().splitlines())
-    assert f"stopped by SIGINT at step {steps};" in (out / "report.md").read_text()
+    assert f"stopped by SIGINT at step {steps}, which was validated too;" in (out / "report.md").read_text()
+    assert f"step {steps}: validation accuracy = " in printed.read_text()  # its validation, though none was due
     assert (out / "run" / "checkpoints" / f"step-{steps}").is_dir() and (out / "demo.json").is_file()
 
 
