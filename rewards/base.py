@@ -91,12 +91,15 @@ class Reward:
 
     Subclasses set ``kind`` (pointwise: each sample alone; groupwise: sees whole groups) and ``modality``
     (image, video, text or any). ``rollout_only`` marks a reward that reads what only a training rollout adds to
-    the samples (T-GRPO's shuffled-frame accuracy); held-out evaluation leaves it out.
+    the samples (T-GRPO's shuffled-frame accuracy); held-out evaluation leaves it out. ``conditional`` marks a
+    reward that applies to some samples only by design (NaN for the rest, e.g. prompts without a relation), so a
+    batch it does not apply to at all is expected and not warned about.
     """
 
     kind: str = POINTWISE
     modality: str = "any"
     rollout_only: bool = False
+    conditional: bool = False
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
         raise NotImplementedError

@@ -278,6 +278,7 @@ class ShapesLayout(Reward):
     the honest metric. NaN ("does not apply") for prompts without a relation."""
 
     modality = "image"
+    conditional = True
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         detections, _ = DETECTIONS(batch, "shapes_layout")

@@ -306,7 +306,7 @@ class RewardZoo:
             logged.update(scores)
             seconds[slot.name] = elapsed
             raw = main_score(scores, slot.name)
-            self._count_nan(slot.name, raw)
+            self._count_nan(slot, raw)
             main[:, r] = raw if slot.clip is None else raw.clamp(*slot.clip)
         return main, logged, seconds
 
@@ -317,11 +317,13 @@ class RewardZoo:
                    for slot, column in zip(self.slots, main.unbind(dim=1))]
         return torch.stack(columns, dim=1)
 
-    def _count_nan(self, name: str, scores: torch.Tensor) -> None:
-        nan = int(scores.isnan().sum())
+    def _count_nan(self, slot: _Slot, scores: torch.Tensor) -> None:
+        """Count the NaN scores; warn once when a reward that is not ``conditional`` applies to none of a batch."""
+        name, nan = slot.name, int(scores.isnan().sum())
         with self._count_lock:
             self.nan_counts[name] += nan
-            warn = 0 < nan == scores.numel() and name not in self._warned
+            warn = (0 < nan == scores.numel() and not getattr(slot.reward, "conditional", False)
+                    and name not in self._warned)
             if warn:
                 self._warned.add(name)
         if warn:

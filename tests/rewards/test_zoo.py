@@ -86,6 +86,15 @@ def all_nan(batch):
     return [float("nan")] * len(batch)
 
 
+class SomePrompts(Reward):
+    """Applies to prompts that name a relation only ("left of"); NaN for the others, by design."""
+
+    conditional = True
+
+    def __call__(self, batch):
+        return [1.0 if "left of" in p else float("nan") for p in batch.prompts]
+
+
 def broken(batch):
     raise ZeroDivisionError("boom\\nsecond line")
 
@@ -254,6 +263,14 @@ def test_nan_counts_and_a_single_warning_for_an_all_nan_reward(mod):
         main, _, _ = zoo(batch4())
     assert main[:, 0].isnan().all()
     assert zoo.nan_counts == {"zoo_test_rewards:all_nan": 8, "zoo_test_rewards:fixed": 2}
+
+
+def test_a_conditional_reward_that_applies_to_none_of_a_batch_is_counted_not_warned(mod):
+    zoo = RewardZoo([spec("SomePrompts")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        main, _, _ = zoo(batch4())
+    assert main[:, 0].isnan().all() and zoo.nan_counts == {"zoo_test_rewards:SomePrompts": 4}
 
 
 def test_a_failing_reward_is_named_in_one_line(mod):
