@@ -70,8 +70,6 @@ class TemporalBonus(RolloutAccuracyBonus):
             rollouts with the same arguments.
     """
 
-    conditional = True  # a step of image questions has no shuffled frames
-
     def __init__(self, alpha: float = 0.3, mu: float = 0.8, threshold: float = 0.1,
                  accuracy_args: dict[str, Any] | None = None):
         if alpha < 0 or mu < 0:
