@@ -125,3 +125,15 @@ def summary_table(rows: list[dict[str, Any]], title: str) -> Any:
         if values:
             table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))
     return table
+
+
+def print_whole(renderable: Any) -> None:
+    """Print a rich renderable (a table) to stdout. Off a terminal (a log file, a pipe) it gets its full width
+    instead of being cut to rich's default 80 columns, where long metric names would end in an ellipsis."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        unbounded = console.options.update(max_width=10_000)
+        console = Console(width=max(console.width, console.measure(renderable, options=unbounded).maximum))
+    console.print(renderable)

@@ -54,7 +54,7 @@ from mmgrpo.policy import (
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.schedule import projected_end, replanned_end, warp_schedule
-from mmgrpo.tracking import MetricsLog, plot_metrics, read_metrics, summary_table
+from mmgrpo.tracking import MetricsLog, plot_metrics, print_whole, read_metrics, summary_table
 
 POLICY_STATE_FILE = "policy_state.safetensors"
 """Checkpoint file of :meth:`Policy.training_state`, written when the policy has any."""
@@ -761,6 +761,4 @@ class Trainer:
 
     def print_summary(self, history: list[dict[str, Any]]) -> None:
         if self.accelerator.is_main_process and history:
-            from rich.console import Console
-
-            Console().print(summary_table(history, f"mmgrpo run {self.run_dir}"))
+            print_whole(summary_table(history, f"mmgrpo run {self.run_dir}"))

@@ -1,10 +1,11 @@
-"""Run logging beyond metrics.jsonl: tensorboard event files and an offline wandb run (both in the dev extra)."""
+"""Run logging beyond metrics.jsonl: tensorboard event files and an offline wandb run (both in the dev extra), and
+the summary table."""
 
 import pytest
 from toy_bandit import ToyConfig
 
 from mmgrpo.config import load_config
-from mmgrpo.tracking import MetricsLog, read_metrics
+from mmgrpo.tracking import MetricsLog, print_whole, read_metrics, summary_table
 from mmgrpo.trainer import Trainer
 
 ROWS = [{"step": 1, "loss": 0.5, "reward/mean": 0.25, "eval/accuracy": float("nan")},
@@ -47,3 +48,14 @@ def test_wandb_offline_run_gets_config_steps_and_summary(tmp_path, monkeypatch):
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1 and files[0].stat().st_size > 0
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_the_summary_table_keeps_long_metric_names_whole_off_a_terminal(capsys):
+    """Printed to a file or pipe (here pytest's capture), the table is as wide as it needs, not cut to 80 columns."""
+    long = "eval/shapes_eval/background/mean/with/a/long/tail"
+    rows = [{"step": 1, "reward/mean": 0.125, long: 1.0, "loss": -3.353e-08},
+            {"step": 2, "reward/mean": 0.25, long: 0.5, "loss": 2.782e-06}]
+    print_whole(summary_table(rows, "run"))
+    lines = capsys.readouterr().out.splitlines()
+    row = next(line for line in lines if long in line)
+    assert "2.782e-06" in next(line for line in lines if "loss" in line) and len(row) > 80
