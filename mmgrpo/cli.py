@@ -56,9 +56,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     history = trainer.train()
     trainer.print_summary(history)
     trainer.close()
-    if trainer.interrupted in signal.Signals.__members__:  # stopped early, checkpoint saved: the shell's code
-        return 128 + signal.Signals[trainer.interrupted].value
-    return 0
+    return signal_exit_code(trainer.interrupted)
+
+
+def signal_exit_code(stopped_by: str | None) -> int:
+    """The shell's exit code of a run that a signal (``"SIGINT"``...) stopped early after saving: 128 + its
+    number; 0 for a run that ended on its own (or that another process's signal stopped)."""
+    return 128 + signal.Signals[stopped_by].value if stopped_by in signal.Signals.__members__ else 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -217,7 +221,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             stopped_by = "SIGINT"
     if LAUNCHED_AT in os.environ:  # a process of launch(), which reports the signal it passed on
         return 0
-    return 128 + signal.Signals[stopped_by].value if stopped_by in signal.Signals.__members__ else 0
+    return signal_exit_code(stopped_by)
 
 
 def build_parser() -> argparse.ArgumentParser:

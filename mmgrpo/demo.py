@@ -399,9 +399,9 @@ def run_demo(which: str, output_dir: str | None,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
     note = bar.write if main else (lambda _text: None)
 
-    def validate(step: int) -> list[str]:
-        """Score the validation set, snapshot the policy if it is the one to report, and return the guard's
-        failures (empty when the snapshot counts)."""
+    def validate(step: int) -> tuple[dict[str, float], list[str]]:
+        """Score the validation set, snapshot the policy if it is the one to report, and return the metrics and
+        the guard's failures (empty when the snapshot counts)."""
         metrics, _ = evaluate(policy, zoo, val_items, spec, flow)
         validations.append((step, metrics))
         below = guard_failures(metrics, val_base, spec.guard)
@@ -410,7 +410,7 @@ def run_demo(which: str, output_dir: str | None,
         if not below and (spec.selection == "last" or metrics[spec.metric] > reported["metrics"][spec.metric]):
             reported.update(step=step, metrics=metrics)
             policy.save(snapshot)
-        return below
+        return metrics, below
 
     def should_stop(step: int, row: dict[str, Any]) -> bool:
         elapsed = trainer.max_on_processes(time.perf_counter() - train_start)
@@ -419,9 +419,8 @@ def run_demo(which: str, output_dir: str | None,
         bar.set_postfix({"step": step, "reward": f"{row['reward/mean']:.3f}"})
         if step % spec.eval_every and not out_of_time:
             return False
-        below = validate(step)
+        metrics, below = validate(step)
         if below and spec.stop_on_guard:
-            metrics = validations[-1][1]
             stop_reason["why"] = (f"early stop at step {step}: validation {below[0]} {metrics[below[0]]:.2f} fell "
                                   f"below {GUARD_FLOOR:.0%} of the base model's {val_base[below[0]]:.2f}")
             return True
