@@ -112,6 +112,14 @@ def plot_metrics(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return written
 
 
+def redraw_due(first_step: int, last_step: int, every: int, spent_s: float, elapsed_s: float,
+               max_share: float) -> bool:
+    """Whether to redraw the curves after optimiser steps ``first_step..last_step`` (one iteration): a multiple of
+    ``every`` (> 0) is among them, and the redraws so far took ``spent_s`` seconds, at most ``max_share`` of the
+    ``elapsed_s`` seconds of the run. A redraw that is not due waits for a later multiple."""
+    return last_step // every != (first_step - 1) // every and spent_s <= max_share * elapsed_s
+
+
 def summary_table(rows: list[dict[str, Any]], title: str) -> Any:
     """A rich Table of the headline metrics: first, last, min and max over the run."""
     from rich.table import Table

@@ -54,7 +54,7 @@ from mmgrpo.policy import (
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.schedule import projected_end, replanned_end, warp_schedule
-from mmgrpo.tracking import MetricsLog, plot_metrics, print_whole, read_metrics, summary_table
+from mmgrpo.tracking import MetricsLog, plot_metrics, print_whole, read_metrics, redraw_due, summary_table
 
 POLICY_STATE_FILE = "policy_state.safetensors"
 """Checkpoint file of :meth:`Policy.training_state`, written when the policy has any."""
@@ -660,6 +660,7 @@ class Trainer:
         bar = tqdm(total=cfg.train.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (cfg.logging.progress and acc.is_main_process))
         last_saved = self.step if resume_from else None
+        self._plots_started, self._plot_seconds = time.perf_counter(), 0.0  # for logging.plot_max_share
         # a resumed run re-plans from the next mark it has not passed
         self._replan_mark = int(self.train_seconds / (REPLAN_EVERY * self.budget_s)) if self.budget_s else 0
         out_of_time = False
@@ -745,8 +746,13 @@ class Trainer:
             last = rows[-1]
             bar.update(len(rows))
             bar.set_postfix(reward=f"{last['reward/mean']:.4g}", step_s=f"{last['time/step_s']:.2f}")
-            if log is not None and self.cfg.logging.plot_every and self.step % self.cfg.logging.plot_every == 0:
+            logging_cfg = self.cfg.logging
+            now = time.perf_counter()
+            if log is not None and logging_cfg.plot_every and redraw_due(
+                    first, self.step, logging_cfg.plot_every, self._plot_seconds, now - self._plots_started,
+                    logging_cfg.plot_max_share):
                 plot_metrics(read_metrics(log.path), self.run_dir / "plots")
+                self._plot_seconds += time.perf_counter() - now
 
     def close(self) -> None:
         """End the run on every process: release the DDP wrapper and optimiser (they hold the process group), then

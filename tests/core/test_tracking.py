@@ -5,7 +5,7 @@ import pytest
 from toy_bandit import ToyConfig
 
 from mmgrpo.config import load_config
-from mmgrpo.tracking import MetricsLog, print_whole, read_metrics, summary_table
+from mmgrpo.tracking import MetricsLog, print_whole, read_metrics, redraw_due, summary_table
 from mmgrpo.trainer import Trainer
 
 ROWS = [{"step": 1, "loss": 0.5, "reward/mean": 0.25, "eval/accuracy": float("nan")},
@@ -59,3 +59,33 @@ def test_the_summary_table_keeps_long_metric_names_whole_off_a_terminal(capsys):
     lines = capsys.readouterr().out.splitlines()
     row = next(line for line in lines if long in line)
     assert "2.782e-06" in next(line for line in lines if "loss" in line) and len(row) > 80
+
+
+def test_a_redraw_is_due_at_a_multiple_of_plot_every_while_redraws_stay_within_their_share():
+    # one step per iteration: steps 10 and 20 are multiples of 10, step 11 is not
+    assert redraw_due(10, 10, 10, spent_s=0.0, elapsed_s=1.0, max_share=0.05)
+    assert not redraw_due(11, 11, 10, spent_s=0.0, elapsed_s=1.0, max_share=0.05)
+    # an iteration of several steps that passes a multiple (steps 9-12 hold 10) is due, one that does not is not
+    assert redraw_due(9, 12, 10, spent_s=0.0, elapsed_s=1.0, max_share=0.05)
+    assert not redraw_due(11, 19, 10, spent_s=0.0, elapsed_s=1.0, max_share=0.05)
+    # 2.5 s of redraws in 40 s is 6% > 5%: wait; in 50 s it is 5%: draw
+    assert not redraw_due(20, 20, 10, spent_s=2.5, elapsed_s=40.0, max_share=0.05)
+    assert redraw_due(20, 20, 10, spent_s=2.5, elapsed_s=50.0, max_share=0.05)
+
+
+@pytest.mark.parametrize("max_share", [1.0, 0.0])
+def test_redraws_during_a_run_keep_to_their_share_of_the_wall_clock(tmp_path, monkeypatch, max_share):
+    """At share 1 every step of a plot_every=1 run redraws; at share 0 only the first does (nothing spent yet), and
+    the curves are still drawn at the end."""
+    import mmgrpo.trainer as trainer_module
+
+    calls = []
+    draw = trainer_module.plot_metrics
+    monkeypatch.setattr(trainer_module, "plot_metrics", lambda rows, out: calls.append(len(rows)) or draw(rows, out))
+    cfg = load_config(None, [f"output_dir={tmp_path}", "logging.progress=false", "logging.tensorboard=false",
+                             "logging.plot_every=1", f"logging.plot_max_share={max_share}", "train.max_steps=6",
+                             "train.save_every=0"], schema=ToyConfig)
+    Trainer(cfg).train()
+    during, final = calls[:-1], calls[-1]
+    assert during == ([1, 2, 3, 4, 5, 6] if max_share == 1.0 else [1]), calls
+    assert final == 6 and (tmp_path / "plots" / "reward_mean.png").is_file()
