@@ -386,14 +386,14 @@ def run_demo(which: str, output_dir: str | None,
     policy.save(snapshot)  # the base model, kept when no later snapshot is eligible (or beats it on validation)
     train_start = time.perf_counter()
     if minutes is not None:
-        budget_s, budget_note = 60.0 * minutes, "time budget"
+        budget_s, budget_note = 60.0 * minutes, ""
     else:
         # every process plans with the slowest one's clock, so that all stop at the same step
         budget_s = training_budget_s(spec.train_minutes, *(trainer.max_on_processes(t) for t in (
             train_start - start, held_out_eval_s, val_eval_s)))
-        budget_note = ("time budget" if budget_s >= 60.0 * spec.train_minutes else
-                       f"time budget (cut from {spec.train_minutes:g} so that the demo ends within "
-                       f"{DEMO_LIMIT_MINUTES:g} minutes)")
+        budget_note = ("" if budget_s >= 60.0 * spec.train_minutes else
+                       f" (cut from {spec.train_minutes:g} so that the demo ends within {DEMO_LIMIT_MINUTES:g} "
+                       "minutes)")
     stop_reason = {"why": "step budget reached"}
     bar = tqdm(total=round(budget_s), desc="train (time budget)", unit="s", dynamic_ncols=True, disable=not main,
                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s{postfix}")
@@ -430,7 +430,7 @@ def run_demo(which: str, output_dir: str | None,
         if end is not None:
             note(f"step {step}: the lr schedule now ends at step {end}, where the time budget is projected to end")
         if out_of_time:
-            stop_reason["why"] = f"{budget_note} of {budget_s / 60:.1f} minutes reached at step {step}"
+            stop_reason["why"] = f"time budget of {budget_s / 60:.1f} minutes{budget_note} reached at step {step}"
         return out_of_time
 
     with bar:
@@ -536,25 +536,45 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
     g = cfg.grpo
     refilled = [f"{g.oversample_prompts} extra prompts per step"] if g.oversample_prompts else []
     refilled += [f"up to {g.refill_rounds} refill rounds"] if g.refill_rounds else []
-    sampling = ("" if not g.mask_zero_std_groups else ", groups without reward variance masked"
-                + (f" and replaced ({' and '.join(refilled)})" if refilled else ""))
+    sampling = ("off" if not g.mask_zero_std_groups else "groups without reward variance masked"
+                + (f" and replaced ({', '.join(refilled)})" if refilled else ""))
+    clip = f"{g.clip_eps}" + (f" below, {g.clip_eps_high} above" if g.clip_eps_high is not None else "")
+    estimator = "Gaussian mean difference" if which == "flow" else g.kl_estimator
+    kl = f"beta {g.kl_beta:g} ({estimator})" if g.kl_beta else "off"
+    split = f", split over {processes} processes (DDP)" if processes > 1 else ""
+    steps = history[-1]["step"] if history else 0
+    k = spec.samples_per_prompt
+    held_out = (f"{len(before_batch) // k} prompts, {k} sample{'s' if k > 1 else ''} each with fixed seeds, scored "
+                "only before and after training")
+    validation = f"{spec.num_val} {val_source(spec)}" + (f" from {spec.val_file}" if spec.val_file else "")
+    selection = "validation-best" if spec.selection == "best" else "last"
+    settings = [
+        ("held-out set", held_out),
+        ("rollouts", f"{cfg.train.prompts_per_step} prompts x {cfg.train.group_size} samples per step{split}"),
+        ("dynamic sampling", sampling),
+        ("rewards", ", ".join(f"{r.name} x {r.weight:g}" for r in cfg.rewards)),
+        ("learning rate", f"{cfg.optim.lr:g}, {schedule}"),
+        ("clip range", clip),
+        ("KL to the base model", kl),
+        ("training", f"{steps} optimiser step{'' if steps == 1 else 's'}: {stop_reason}"),
+        ("validation", f"{validation}, every {spec.eval_every} steps"),
+        ("reported model", f"the {selection} snapshot that kept `{spec.guard}`: step {reported_step} (0: the base)"),
+        ("total time", f"{minutes:.1f} minutes"),
+    ]
+    setting_rows = "\n".join(f"| {name} | {value} |" for name, value in settings)
     text = f"""# mmgrpo demo {which}: {spec.task}
 
-GRPO on the tiny shipped model, on CPU, with no downloads. Preset: `{spec.preset}`
-({cfg.train.group_size} samples per prompt, {cfg.train.prompts_per_step} prompts per step{f" split over {processes} processes (DDP)" if processes > 1 else ""}, lr {cfg.optim.lr}
-({schedule}), KL beta {cfg.grpo.kl_beta}, clip {cfg.grpo.clip_eps}{sampling}, rewards {", ".join(f"{r.name} x {r.weight:g}" for r in cfg.rewards)}).
-The held-out set ({len(before_batch) // spec.samples_per_prompt} prompts, each sampled {spec.samples_per_prompt}
-time(s) with fixed seeds) was scored only before and after training.
+GRPO on the tiny shipped model, on CPU, with no downloads, trained with `{spec.preset}`. The headline metric is
+`{spec.metric}`, on a held-out set scored only before and after training.
 
 | measure | before | after | change |
 |---|---|---|---|
 {rows}
 
-The headline metric is `{spec.metric}`. Training ran {history[-1]['step'] if history else 0} optimiser steps
-({stop_reason}). Every {spec.eval_every} steps a validation set of {spec.num_val} {val_source(spec)}{f" from {spec.val_file}" if spec.val_file else ""} was scored;
-the reported model is the {"validation-best" if spec.selection == "best" else "last"} snapshot that kept `{spec.guard}`
-(step {reported_step}; step 0 is the base model). {guard_note}{guard_note_failed}{circular_note}
-Total time {minutes:.1f} minutes.
+{guard_note}{guard_note_failed}{circular_note}
+| setting | value |
+|---|---|
+{setting_rows}
 
 ![reward curve](reward_curve.png)
 

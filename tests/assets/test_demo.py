@@ -81,7 +81,8 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, sup
     png = (out / "samples.png").read_bytes()  # the media, questions and answers of the 3 held-out questions
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
     assert "![before/after samples](samples.png)" in report and "[samples.md](samples.md)" in report
-    assert "validation set of 2 unseen prompts from assets/data/shapes_qa/val.jsonl" in report
+    assert "| validation | 2 unseen prompts from assets/data/shapes_qa/val.jsonl, every " in report
+    assert "| training | 1 optimiser step: time budget of 0.0 minutes reached at step 1 |" in report
 
     monkeypatch.setenv("PYTHONPATH", support_env["PYTHONPATH"])  # the launched processes import tests/support
     ddp = tmp_path / "ddp"
@@ -90,7 +91,8 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, sup
     assert len(rows) == 1 and rows[0]["ratio/onpolicy_max_dev"] <= 1e-6
     assert json.loads((ddp / "run" / "checkpoints" / "step-1" / "trainer_state.json").read_text())[
         "num_processes"] == 2
-    assert "2 prompts per step split over 2 processes (DDP)" in (ddp / "report.md").read_text()
+    assert re.search(r"\| rollouts \| 2 prompts x \d+ samples per step, split over 2 processes \(DDP\) \|",
+                     (ddp / "report.md").read_text())
     one_process = before_columns(out)
     assert len(one_process) >= 3 + 8 and before_columns(ddp) == one_process
 
