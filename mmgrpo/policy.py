@@ -77,10 +77,13 @@ class LogProbs:
 
     - ``logp``: (n, u) fp32.
     - ``kl``: (n, u) fp32 per-unit KL to the reference, or None when it was not asked for.
+    - ``entropy``: (n, u) fp32 entropy in nats of the distribution each unit was sampled from, without grad, or
+      None for a pipeline whose policy entropy says nothing (flow: the Gaussian's std is the scheduler's).
     """
 
     logp: torch.Tensor
     kl: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 class Policy(ABC):

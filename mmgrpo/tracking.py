@@ -11,7 +11,7 @@ from typing import Any
 
 from mmgrpo.config import ConfigError
 
-HEADLINE = ("reward/mean", "loss", "kl", "ratio/mean", "ratio/onpolicy_max_dev", "clip_frac", "time/step_s")
+HEADLINE = ("reward/mean", "loss", "kl", "entropy", "ratio/mean", "ratio/onpolicy_max_dev", "clip_frac", "time/step_s")
 """Metrics that get a PNG curve and a row in the end-of-run summary (plus every reward/<name>/mean)."""
 
 

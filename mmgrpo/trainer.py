@@ -450,7 +450,8 @@ class Trainer:
                 old_from_forward = sampled_logp is not None and epoch == 0 and u == 0
                 rows_all = torch.cat(micro_batches)
                 weights_all = self.aggregation_weights(mask[rows_all]) * rollout.unit_weight[rows_all]
-                sums = {"loss": 0.0, "kl": 0.0, "units": 0.0}
+                sums = {"loss": 0.0, "kl": 0.0, "entropy": 0.0, "units": 0.0}
+                entropy_reported = False
                 ratios, masks, clips = [], [], []
                 offset = 0
                 for b, rows in enumerate(micro_batches):
@@ -480,6 +481,9 @@ class Trainer:
                                     raise ValueError("grpo.kl_beta > 0 but the policy returned no KL")
                                 unit_loss = unit_loss + g.kl_beta * out.kl.float()
                                 sums["kl"] += (out.kl.detach().float() * m).sum().item()
+                            if out.entropy is not None:
+                                sums["entropy"] += (out.entropy.float() * m).sum().item()
+                                entropy_reported = True
                             loss = (w * unit_loss).sum()
                             acc.backward(loss)
                         sums["loss"] += loss.item()
@@ -522,6 +526,8 @@ class Trainer:
                     "lr": self.scheduler.get_last_lr()[0],
                     "inner_epoch": epoch,
                 })
+                if entropy_reported:
+                    metrics["entropy"] = sums["entropy"] / max(sums["units"], 1.0)
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 if not finite:

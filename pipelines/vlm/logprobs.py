@@ -1,4 +1,5 @@
-"""Per-token log-probs of completions under grad: the standard per-row forward and the Prefix Grouper.
+"""Per-token log-probs of completions under grad (and the entropy of the sampling distribution at each token):
+the standard per-row forward and the Prefix Grouper.
 
 Both compute ``log p(token t | prompt, tokens < t)`` with the pixel inputs, in fp32, and agree to float rounding
 in value and parameter gradients. The Prefix Grouper packs every distinct prompt once, followed by the real
@@ -67,6 +68,24 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
         return logits.gather(-1, targets[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+ENTROPY_CHUNK = 256
+"""Token positions whose softmax :func:`token_entropy` takes at once: its fp32 temporaries stay near 150 MB each at
+a 152k vocabulary, however many tokens a micro-batch holds."""
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 entropy in nats of ``softmax(logits / temperature)``, without grad: logits (n,L,V) -> (n,L), taken
+    ``ENTROPY_CHUNK`` positions of a row at a time (a view of ``logits``, which is never copied whole)."""
+    out = torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    with torch.autocast(logits.device.type, enabled=False):
+        for i in range(logits.shape[0]):
+            for start in range(0, logits.shape[1], ENTROPY_CHUNK):
+                z = logits[i, start:start + ENTROPY_CHUNK].float() / temperature
+                out[i, start:start + ENTROPY_CHUNK] = torch.special.entr(z.softmax(-1)).sum(-1)  # -p ln p; 0 at p=0
+    return out
+
+
 def token_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], completion_ids: torch.Tensor,
                    completion_mask: torch.Tensor, prompt_index: torch.Tensor, prefix_grouper: bool,
                    temperature: float = 1.0) -> torch.Tensor:
@@ -74,6 +93,17 @@ def token_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], com
     tokens (a prefix of each row); row i continues ``prompts[prompt_index[i]]`` (batch-1 inputs from
     ``VLMModel.prompt_inputs``). Masked positions are 0. ``model`` is called once, as given (DDP, PEFT, or the
     adapter-disabled reference). ``temperature`` (> 0) divides the logits: the distribution sampled from."""
+    return token_logprobs_and_entropy(model, prompts, completion_ids, completion_mask, prompt_index,
+                                      prefix_grouper, temperature, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(model: nn.Module, prompts: list[dict[str, torch.Tensor]],
+                               completion_ids: torch.Tensor, completion_mask: torch.Tensor,
+                               prompt_index: torch.Tensor, prefix_grouper: bool, temperature: float = 1.0,
+                               entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs`, and from the same forward (with ``entropy``) the (n,L) fp32 entropy in nats of the
+    distribution each token was sampled from (``softmax(logits / temperature)`` over the whole vocabulary, before
+    any top-k / top-p), without grad; masked positions are 0. Else (log-probs, None)."""
     if temperature <= 0:
         raise ValueError(f"token_logprobs: temperature must be > 0, got {temperature}")
     n, length = completion_ids.shape
@@ -85,13 +115,16 @@ def token_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], com
         raise ValueError("completion_mask must mark a prefix of each row (the real tokens, right-padded)")
     for j in prompt_index.unique().tolist():
         check_prompt(model, prompts[j], j)
-    forward = packed_logprobs if prefix_grouper else standard_logprobs
-    return forward(model, prompts, completion_ids, mask, prompt_index, temperature).masked_fill(~mask, 0.0)
+    forward = packed_logits if prefix_grouper else standard_logits
+    logits = forward(model, prompts, completion_ids, mask, prompt_index)
+    logp = gather_logprobs(logits, completion_ids, temperature).masked_fill(~mask, 0.0)
+    return logp, token_entropy(logits, temperature).masked_fill(~mask, 0.0) if entropy else None
 
 
-def standard_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], completion_ids: torch.Tensor,
-                      mask: torch.Tensor, prompt_index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """One row per completion: ``[left pad; prompt; completion; right pad]``, the vision inputs repeated per row."""
+def standard_logits(model: nn.Module, prompts: list[dict[str, torch.Tensor]], completion_ids: torch.Tensor,
+                    mask: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
+    """(n,L,V) logits, those at (i, t) predicting ``completion_ids[i, t]``, from one row per completion:
+    ``[left pad; prompt; completion; right pad]``, the vision inputs repeated per row."""
     n, length = completion_ids.shape
     device = completion_ids.device
     rows = prompt_index.tolist()
@@ -114,12 +147,13 @@ def standard_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], 
     logits = model(input_ids=ids, attention_mask=attention, position_ids=pos if lead == 3 else pos[0],
                    use_cache=False, logits_to_keep=length + 1,
                    **vision_inputs([prompts[j] for j in rows])).logits
-    return gather_logprobs(logits[:, :-1], completion_ids, temperature)
+    return logits[:, :-1]
 
 
-def packed_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], completion_ids: torch.Tensor,
-                    mask: torch.Tensor, prompt_index: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Prefix Grouper: one sequence ``[prompt_a; its completions' real tokens; prompt_b; ...]`` in one forward."""
+def packed_logits(model: nn.Module, prompts: list[dict[str, torch.Tensor]], completion_ids: torch.Tensor,
+                  mask: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
+    """(n,L,V) logits as :func:`standard_logits` gives them (masked positions hold some row's logits), from the
+    Prefix Grouper: one sequence ``[prompt_a; its completions' real tokens; prompt_b; ...]`` in one forward."""
     attention = unwrap(model).config._attn_implementation
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"prefix_grouper needs sdpa or eager attention (it passes a block attention mask), not "
@@ -171,4 +205,4 @@ def packed_logprobs(model: nn.Module, prompts: list[dict[str, torch.Tensor]], co
                    use_cache=False, logits_to_keep=keep,
                    **vision_inputs([prompts[j] for j in order])).logits[0]
     row_of = torch.searchsorted(keep, source.clamp(min=0))
-    return gather_logprobs(logits[row_of], completion_ids, temperature)
+    return logits[row_of]

@@ -3,7 +3,7 @@
 One rollout, per prompt: decode its images and videos once (:class:`MediaCache`, cleared every rollout), encode the
 prompt once (and keep it for later rollouts within ``data.prompt_cache_mb``: :class:`PromptCache`), sample G completions with the prefill shared across the group and the groups of a rollout decoded
 together (:func:`generate_groups`), and, with T-GRPO, G' more on shuffled frames that are scored but never trained
-(:mod:`.tgrpo`). Old log-probs are then computed by :func:`token_logprobs`, the training forward (Prefix Grouper
+(:mod:`.tgrpo`). Old log-probs are then computed by :func:`token_logprobs_and_entropy`, the training forward (Prefix Grouper
 included when it is on), in the training chunking (consecutive rows in ``train.micro_batch_size`` chunks), so the
 first ratio is exactly 1.
 
@@ -32,7 +32,7 @@ from mmgrpo.pipelines.vlm import care, tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
 from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, read_task_split, render_prompt, reward_meta
 from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
-from mmgrpo.pipelines.vlm.logprobs import token_logprobs
+from mmgrpo.pipelines.vlm.logprobs import token_logprobs_and_entropy
 from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.pipelines.vlm.prompt_cache import PromptCache
 from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
@@ -294,18 +294,21 @@ class VLMPolicy(Policy):
         device = self.vlm.device
         return torch.Generator(device=device).manual_seed(seed), torch.Generator().manual_seed(seed + 1)
 
-    def _logprobs(self, module: torch.nn.Module, data: dict[str, Any], rows: torch.Tensor) -> torch.Tensor:
+    def _logprobs(self, module: torch.nn.Module, data: dict[str, Any], rows: torch.Tensor,
+                  entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(n, L) fp32 log-probs of rollout ``rows`` under ``module``, the forward trimmed to their longest
-        completion (so the same rows give the same forward in every pass)."""
+        completion (so the same rows give the same forward in every pass), and with ``entropy`` the (n, L) entropy
+        of the sampling distribution at each token (:func:`token_logprobs_and_entropy`), else None."""
         rows = rows.to(data["ids"].device)
         index = data["prompt_index"][rows]
         used, local = index.unique(return_inverse=True)
         mask = data["mask"][rows]
         width = max(int(mask.sum(1).max()), 1)
-        logp = token_logprobs(module, [data["prompts"][j] for j in used.tolist()], data["ids"][rows, :width],
-                              mask[:, :width], local, self.cfg.prefix_grouper,
-                              scoring_temperature(self.cfg.generation))
-        return torch.nn.functional.pad(logp, (0, data["ids"].shape[1] - width))
+        logp, ent = token_logprobs_and_entropy(
+            module, [data["prompts"][j] for j in used.tolist()], data["ids"][rows, :width], mask[:, :width], local,
+            self.cfg.prefix_grouper, scoring_temperature(self.cfg.generation), entropy)
+        pad = (0, data["ids"].shape[1] - width)
+        return torch.nn.functional.pad(logp, pad), None if ent is None else torch.nn.functional.pad(ent, pad)
 
     def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:
         """G completions per item (plus T-GRPO's shuffled ones), rewards' batch, and the sampler's log-probs (the
@@ -435,7 +438,7 @@ class VLMPolicy(Policy):
         under the EMA reference, through the training forward in ``train.micro_batch_size`` chunks."""
         model = self.unwrapped_model()
         with self.care_reference.swapped_in():
-            logp = torch.cat([self._logprobs(model, data, rows) for rows in
+            logp = torch.cat([self._logprobs(model, data, rows)[0] for rows in
                               torch.arange(len(data["ids"])).split(self.cfg.train.micro_batch_size)])
         answer = care.answer_token_mask(self.vlm.tokenizer, data["ids"], data["mask"]).to(logp.device)
         return care.answer_likelihood(logp, answer).cpu()
@@ -483,17 +486,17 @@ class VLMPolicy(Policy):
         """Token log-probs of ``rows`` under grad with the pixel inputs; with ``with_kl``, the per-token KL
         (``grpo.kl_estimator``) to the reference (adapter disabled for LoRA, the frozen copy otherwise) computed
         with the same forward path under no_grad."""
-        logp = self._logprobs(self.model, rollout.data, rows)
+        logp, entropy = self._logprobs(self.model, rollout.data, rows, entropy=True)
         kl = None
         if with_kl:
             with torch.no_grad(), self.vlm.reference() as reference:
-                ref = self._logprobs(reference, rollout.data, rows)
+                ref, _ = self._logprobs(reference, rollout.data, rows)
             kl = kl_estimate(logp, ref, self.cfg.grpo.kl_estimator)
         if units is not None:
             units = units.to(logp.device)
-            logp = logp[:, units]
+            logp, entropy = logp[:, units], entropy[:, units]
             kl = None if kl is None else kl[:, units]
-        return LogProbs(logp=logp, kl=kl)
+        return LogProbs(logp=logp, kl=kl, entropy=entropy)
 
     # ------------------------------------------------------------------------------------------------ eval
     def generate(self, items: list[dict]) -> RewardBatch:

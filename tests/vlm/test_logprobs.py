@@ -1,12 +1,14 @@
 """token_logprobs: the Prefix Grouper equals the standard forward in log-probs and gradients, both agree with a
 plain transformers forward, and both use the pixels."""
 
+import math
+
 import pytest
 import torch
 
-from mmgrpo.pipelines.vlm import bench
+from mmgrpo.pipelines.vlm import bench, logprobs
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
-from mmgrpo.pipelines.vlm.logprobs import token_logprobs
+from mmgrpo.pipelines.vlm.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from mmgrpo.pipelines.vlm.model import VLMModel
 
 TOL = 1e-5
@@ -75,6 +77,48 @@ def test_standard_forward_matches_a_plain_transformers_forward(vlm):
             logits = vlm.model(**full).logits[0, -n - 1:-1].float()
             plain = logits.log_softmax(-1).gather(-1, ids[row, :n, None])[:, 0]
             assert (plain - ours[row, :n]).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("grouper", [False, True])
+def test_entropy_is_that_of_the_sampling_distribution_of_a_plain_forward(vlm, grouper):
+    """The entropy of softmax(logits / T) at each completion token equals torch's Categorical entropy of a plain
+    transformers forward; it comes without grad from the forward that gives the log-probs."""
+    prompts, ids, mask, index = make_batch(vlm)
+    temperature = 0.7
+    logp, entropy = token_logprobs_and_entropy(vlm.model, prompts, ids, mask, index, grouper, temperature)
+    assert logp.requires_grad and not entropy.requires_grad and entropy.dtype == torch.float32
+    assert torch.equal(logp.detach(), token_logprobs(vlm.model, prompts, ids, mask, index, grouper, temperature))
+    assert (entropy[~mask] == 0).all() and (entropy[mask] > 0).all()
+    with torch.no_grad():
+        for row in (1, 3):
+            prompt, n = prompts[index[row]], int(mask[row].sum())
+            full = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+            full["input_ids"] = torch.cat([prompt["input_ids"], ids[row:row + 1, :n]], dim=1)
+            full["mm_token_type_ids"] = torch.cat([prompt["mm_token_type_ids"],
+                                                   torch.zeros(1, n, dtype=torch.long)], dim=1)
+            logits = vlm.model(**full).logits[0, -n - 1:-1].float()
+            expected = torch.distributions.Categorical(logits=logits / temperature).entropy()
+            assert (expected - entropy[row, :n]).abs().max() <= TOL
+
+
+def test_token_entropy_closed_forms_in_any_chunking(monkeypatch):
+    """Uniform logits give log V, a one-hot limit 0, two equal logits among -inf ones log 2; the chunks of
+    positions that bound memory do not change a value."""
+    vocab = 7
+    logits = torch.zeros(5, 3, vocab)
+    logits[1, :, 2] = 1e4  # one token takes all the mass
+    logits[2, :, :] = float("-inf")
+    logits[2, :, :2] = 3.0  # two equally likely tokens
+    logits[3] = torch.randn(3, vocab, generator=seeded(4))
+    logits[4] = torch.randn(3, vocab, generator=seeded(5)) * 5
+    whole = token_entropy(logits, temperature=0.5)
+    assert whole.shape == (5, 3)
+    torch.testing.assert_close(whole[0], torch.full((3,), math.log(vocab)))
+    torch.testing.assert_close(whole[1], torch.zeros(3))
+    torch.testing.assert_close(whole[2], torch.full((3,), math.log(2)))
+    torch.testing.assert_close(whole[3:], torch.distributions.Categorical(logits=logits[3:] / 0.5).entropy())
+    monkeypatch.setattr(logprobs, "ENTROPY_CHUNK", 2)
+    assert torch.equal(token_entropy(logits, temperature=0.5), whole)
 
 
 @pytest.mark.parametrize("grouper", [False, True])

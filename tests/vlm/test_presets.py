@@ -3,6 +3,7 @@ counters and their algorithm's keys; every vlm preset (the GPU recipes included)
 config checks."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from mmgrpo.pipelines.vlm.policy import check_config
 ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "configs" / "vlm").glob("*.yaml"))
 TOKEN_KEYS = {"tokens/prompt", "tokens/vision", "tokens/completion", "tokens/truncated_frac", "tokens/rollout",
-              "tokens/train"}
+              "tokens/train", "entropy"}
 
 
 @pytest.mark.parametrize("preset, extra_keys", [
@@ -40,6 +41,8 @@ def test_tiny_preset_trains_on_policy(tmp_path, preset, extra_keys):
     assert all(r["logp/rollout_vs_recompute_max_dev"] <= 1e-4 for r in rows)
     assert TOKEN_KEYS | extra_keys <= set(first) and not any(k.startswith("nfe/") for k in first)
     assert first["tokens/completion"] > 0 and first["data/skipped_media"] == 0
+    config = json.loads((ROOT / "assets" / "tiny-qwen2vl-shapes" / "config.json").read_text())
+    assert all(0 < r["entropy"] < math.log(config["text_config"]["vocab_size"]) for r in rows)  # nats per token
     # the shipped SFT'd model answers some questions right and some wrong, so the first step already trains
     assert 0 < first["reward/accuracy/mean"] < 1 and first["reward/std_within_group"] > 0
     assert first.get("tgrpo/video_groups", 0) == (4 if "tgrpo/pass_frac" in extra_keys else 0)  # all 4 prompts
