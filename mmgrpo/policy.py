@@ -151,9 +151,6 @@ class Policy(ABC):
     def load_training_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`training_state` returned."""
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
     @property
     def is_main_process(self) -> bool:
         acc = getattr(self, "accelerator", None)
