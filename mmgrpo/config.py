@@ -37,6 +37,14 @@ def cwd_hint(path: str | os.PathLike) -> str:
             "relative to the repository root, so run from there or give an absolute path)")
 
 
+def hub_id_hint(path: str | os.PathLike) -> str:
+    """The end of a failed hub load of ``path``: :func:`cwd_hint` when ``path`` names a folder of the repository
+    mmgrpo is installed from but not one under the working directory (a shipped model asked for from elsewhere,
+    which then reads as a hub id); empty for anything else, a real hub id included."""
+    repository = Path(__file__).resolve().parents[1]
+    return cwd_hint(path) if (repository / path).is_dir() and not Path(path).exists() else ""
+
+
 @dataclass(frozen=True)
 class Range:
     """The values a numeric key may take: ``low`` <= value <= ``high``, strict at an ``open`` end; None is

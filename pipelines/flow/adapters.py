@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmgrpo.config import ConfigError, cwd_hint
+from mmgrpo.config import ConfigError, cwd_hint, hub_id_hint
 from mmgrpo.pipelines.flow.config import FlowModelConfig
 from mmgrpo.pipelines.flow.tiny import KINDS, tiny_path
 from mmgrpo.policy import frozen_copy
@@ -292,7 +292,7 @@ class FlowAdapter:
         except _load_error_types() as err:
             where = "local folder" if local else "hub id (offline, gated or misspelt?)"
             raise ConfigError(f"bad value for 'model.path': cannot load {where} '{cfg.path}'"
-                              f"{'' if local else cwd_hint(cfg.path)}: {_one_line(err, 160)}") from err
+                              f"{'' if local else hub_id_hint(cfg.path)}: {_one_line(err, 160)}") from err
         return pipe.to(self.device)
 
     def _transformer_parts(self) -> dict[str, nn.Module]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mmgrpo.config import ConfigError, cwd_hint
+from mmgrpo.config import ConfigError, cwd_hint, hub_id_hint
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.data import chat_content
 from mmgrpo.pipelines.vlm.tiny import KINDS, tiny_path
@@ -125,7 +125,7 @@ class VLMModel:
         except (OSError, ValueError) as err:  # missing files / offline hub; a config that is no image-text model
             where = "the local folder" if local else "the Hugging Face hub (offline or unreachable?)"
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            hint = "" if local else cwd_hint(cfg.path)
+            hint = "" if local else hub_id_hint(cfg.path)
             raise ConfigError(f"model.path: cannot load '{cfg.path}' from {where}{hint}: {reason}") from err
         self.tokenizer = self.processor.tokenizer
         model.to(self.device)

@@ -72,13 +72,17 @@ def test_registered_as_model_adapter():
     assert MODEL_ADAPTERS.get("qwen2_vl") is VLMModel
 
 
-def test_bad_paths_and_dtype_are_config_errors(tmp_path):
+def test_bad_paths_and_dtype_are_config_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="model.path") as err:
         VLMModel(VLMModelConfig(path=str(tmp_path / "missing")))
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="model.path") as err:
-        VLMModel(VLMModelConfig(path="nobody-here/no-such-model"))
-    assert "\n" not in str(err.value) and "looked for under the working directory" in str(err.value)
+        VLMModel(VLMModelConfig(path="nobody-here/no-such-model"))  # a hub id: no word about the working directory
+    assert "\n" not in str(err.value) and "hub" in str(err.value) and "working directory" not in str(err.value)
+    with monkeypatch.context() as m:  # the shipped model asked for from outside the repository reads as a hub id
+        m.chdir(tmp_path)
+        with pytest.raises(ConfigError, match="looked for under the working directory"):
+            VLMModel(VLMModelConfig(path="assets/tiny-qwen2vl-shapes"))
     with pytest.raises(ConfigError, match=r"^model.path: './no-such-folder' is not an existing model folder \(looked "
                                           r"for under the working directory "):
         VLMModel(VLMModelConfig(path="./no-such-folder"))
