@@ -63,18 +63,24 @@ def test_prefix_grouper_equals_standard_in_logprobs_and_gradients(vlm):
         assert (g_std[name] - g_pg[name]).abs().max() <= TOL, name
 
 
+def plain_logits(vlm: VLMModel, prompt: dict, completion: torch.Tensor) -> torch.Tensor:
+    """(n, V) fp32 logits predicting each of the n ``completion`` tokens, from ``model(**processor inputs of
+    [prompt; completion])`` with transformers' own positions."""
+    full = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+    full["input_ids"] = torch.cat([prompt["input_ids"], completion[None]], dim=1)
+    full["mm_token_type_ids"] = torch.cat([prompt["mm_token_type_ids"],
+                                           torch.zeros(1, len(completion), dtype=torch.long)], dim=1)
+    return vlm.model(**full).logits[0, -len(completion) - 1:-1].float()
+
+
 def test_standard_forward_matches_a_plain_transformers_forward(vlm):
     """Each row equals ``model(**processor inputs of [prompt; completion])`` with transformers' own positions."""
     prompts, ids, mask, index = make_batch(vlm)
     with torch.no_grad():
         ours = token_logprobs(vlm.model, prompts, ids, mask, index, False)
         for row in (0, 2, 4):
-            prompt, n = prompts[index[row]], int(mask[row].sum())
-            full = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-            full["input_ids"] = torch.cat([prompt["input_ids"], ids[row:row + 1, :n]], dim=1)
-            full["mm_token_type_ids"] = torch.cat([prompt["mm_token_type_ids"],
-                                                   torch.zeros(1, n, dtype=torch.long)], dim=1)
-            logits = vlm.model(**full).logits[0, -n - 1:-1].float()
+            n = int(mask[row].sum())
+            logits = plain_logits(vlm, prompts[index[row]], ids[row, :n])
             plain = logits.log_softmax(-1).gather(-1, ids[row, :n, None])[:, 0]
             assert (plain - ours[row, :n]).abs().max() <= TOL
 
@@ -91,12 +97,8 @@ def test_entropy_is_that_of_the_sampling_distribution_of_a_plain_forward(vlm, gr
     assert (entropy[~mask] == 0).all() and (entropy[mask] > 0).all()
     with torch.no_grad():
         for row in (1, 3):
-            prompt, n = prompts[index[row]], int(mask[row].sum())
-            full = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
-            full["input_ids"] = torch.cat([prompt["input_ids"], ids[row:row + 1, :n]], dim=1)
-            full["mm_token_type_ids"] = torch.cat([prompt["mm_token_type_ids"],
-                                                   torch.zeros(1, n, dtype=torch.long)], dim=1)
-            logits = vlm.model(**full).logits[0, -n - 1:-1].float()
+            n = int(mask[row].sum())
+            logits = plain_logits(vlm, prompts[index[row]], ids[row, :n])
             expected = torch.distributions.Categorical(logits=logits / temperature).entropy()
             assert (expected - entropy[row, :n]).abs().max() <= TOL
 
