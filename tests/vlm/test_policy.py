@@ -120,7 +120,7 @@ def test_kl_is_zero_at_init_and_positive_after_an_update_with_lora(lora_policy):
     assert torch.equal(kl[real], torch.zeros_like(kl[real]))
     lora = [p for n, p in policy.model.named_parameters() if "lora_" in n]
     saved = [p.detach().clone() for p in lora]
-    optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=0.5)
+    optimizer = torch.optim.SGD([p for p in policy.model.parameters() if p.requires_grad], lr=0.5)
     advantages = torch.linspace(-1, 1, len(rollout))[:, None].expand_as(rollout.old_logp)
     out = policy.log_probs(rollout, torch.arange(len(rollout)), None, with_kl=False)
     loss, _, _ = ppo_clip_loss(out.logp, rollout.old_logp, advantages, real, 0.2, 0.2, "token")
