@@ -78,7 +78,8 @@ class LogProbs:
     - ``logp``: (n, u) fp32.
     - ``kl``: (n, u) fp32 per-unit KL to the reference, or None when it was not asked for.
     - ``entropy``: (n, u) fp32 entropy in nats of the distribution each unit was sampled from, without grad, or
-      None for a pipeline whose policy entropy says nothing (flow: the Gaussian's std is the scheduler's).
+      None when it was not asked for or for a pipeline whose policy entropy says nothing (flow: the Gaussian's std
+      is the scheduler's).
     """
 
     logp: torch.Tensor
@@ -106,8 +107,9 @@ class Policy(ABC):
 
     @abstractmethod
     def log_probs(self, rollout: Rollout, rows: torch.Tensor, units: torch.Tensor | None,
-                  with_kl: bool) -> LogProbs:
-        """Recompute log-probs of ``rollout`` rows (n,) at ``units`` (u,) (None: all units) under grad, in fp32."""
+                  with_kl: bool, with_entropy: bool = False) -> LogProbs:
+        """Recompute log-probs of ``rows`` (n,) at ``units`` (u,) (None: all units) under grad, in fp32; with
+        ``with_kl`` the KL to the reference, with ``with_entropy`` the entropy, where the pipeline has one."""
 
     def unit_chunks(self, rollout: Rollout) -> list[torch.Tensor | None]:
         """How the units of a micro-batch are split into separate backward passes. ``[None]`` (the default) is one

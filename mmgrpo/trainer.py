@@ -463,7 +463,8 @@ class Trainer:
                         old, adv = rollout.old_logp[rows][:, cols], unit_adv[rows][:, cols]
                         last_pass = b == len(micro_batches) - 1 and c == len(chunks) - 1
                         with acc.autocast(), self._accumulating(last_pass):
-                            out = self.policy.log_probs(rollout, rows, units, with_kl=g.kl_beta > 0)
+                            out = self.policy.log_probs(rollout, rows, units, with_kl=g.kl_beta > 0,
+                                                        with_entropy=True)
                             logp = out.logp.float()
                             if old_from_forward:
                                 old = logp.detach()

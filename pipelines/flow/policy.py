@@ -513,7 +513,8 @@ class FlowPolicy(Policy):
             load += n
         return [torch.tensor(c) for c in chunks]
 
-    def log_probs(self, rollout: Rollout, rows: Tensor, units: Tensor | None, with_kl: bool) -> LogProbs:
+    def log_probs(self, rollout: Rollout, rows: Tensor, units: Tensor | None, with_kl: bool,
+                  with_entropy: bool = False) -> LogProbs:
         """Replay the stored steps of ``rows`` at ``units`` under grad: velocity of ``self.model`` on the
         stored input latents, then the rollout's kernel scoring the stored next latents.
 
@@ -521,7 +522,8 @@ class FlowPolicy(Policy):
         consecutive rows: the rollout's layout). Pairs outside the mask (tree nodes owned by another leaf,
         pruned transitions) are not computed and return 0; when none is in the mask, the first pair is
         computed anyway (its value is masked out of the loss) so that the backward has a graph and DDP sees a
-        forward; it is added to the rollout's ``nfe/*`` counters."""
+        forward; it is added to the rollout's ``nfe/*`` counters. ``with_entropy`` is ignored: the Gaussian's std is
+        the scheduler's, not the policy's."""
         units = torch.arange(rollout.old_logp.shape[1]) if units is None else units
         rows, units = rows.to(self.device), units.to(self.device)
         active = rollout.mask[rows][:, units]

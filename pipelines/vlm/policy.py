@@ -482,11 +482,12 @@ class VLMPolicy(Policy):
 
     # ------------------------------------------------------------------------------------------------ training
     def log_probs(self, rollout: Rollout, rows: torch.Tensor, units: torch.Tensor | None,
-                  with_kl: bool) -> LogProbs:
+                  with_kl: bool, with_entropy: bool = False) -> LogProbs:
         """Token log-probs of ``rows`` under grad with the pixel inputs; with ``with_kl``, the per-token KL
         (``grpo.kl_estimator``) to the reference (adapter disabled for LoRA, the frozen copy otherwise) computed
-        with the same forward path under no_grad."""
-        logp, entropy = self._logprobs(self.model, rollout.data, rows, entropy=True)
+        with the same forward path under no_grad; with ``with_entropy``, the sampling distribution's entropy from
+        the same forward."""
+        logp, entropy = self._logprobs(self.model, rollout.data, rows, entropy=with_entropy)
         kl = None
         if with_kl:
             with torch.no_grad(), self.vlm.reference() as reference:
@@ -494,7 +495,8 @@ class VLMPolicy(Policy):
             kl = kl_estimate(logp, ref, self.cfg.grpo.kl_estimator)
         if units is not None:
             units = units.to(logp.device)
-            logp, entropy = logp[:, units], entropy[:, units]
+            logp = logp[:, units]
+            entropy = None if entropy is None else entropy[:, units]
             kl = None if kl is None else kl[:, units]
         return LogProbs(logp=logp, kl=kl, entropy=entropy)
 

@@ -98,7 +98,7 @@ class ToyPolicy(Policy):
                        counters={"tokens/completion": float(tokens.numel())})
 
     def log_probs(self, rollout: Rollout, rows: torch.Tensor, units: torch.Tensor | None,
-                  with_kl: bool) -> LogProbs:
+                  with_kl: bool, with_entropy: bool = False) -> LogProbs:
         index, tokens = rollout.data["index"][rows], rollout.data["tokens"][rows]
         logp = self._token_logp(self.model, index, tokens)
         if rollout.data["nan"]:

@@ -136,6 +136,22 @@ def test_kl_is_zero_at_init_and_positive_after_an_update_with_lora(lora_policy):
                 p.copy_(s)
 
 
+def test_entropy_is_computed_only_when_asked_and_follows_the_units(lora_policy):
+    """The trainer's training forward asks for the entropy; its no-grad recompute of old log-probs does not."""
+    policy = lora_policy
+    rollout = rollout_of(policy, policy.train_items[:2])
+    rows, units = torch.arange(len(rollout)), torch.tensor([0, 2])
+    with torch.no_grad():
+        plain = policy.log_probs(rollout, rows, None, with_kl=False)
+        full = policy.log_probs(rollout, rows, None, with_kl=False, with_entropy=True)
+        part = policy.log_probs(rollout, rows, units, with_kl=False, with_entropy=True)
+    assert plain.entropy is None
+    real = rollout.data["mask"]
+    assert torch.equal(plain.logp, full.logp)
+    assert (full.entropy[real] > 0).all() and (full.entropy[~real] == 0).all()
+    assert torch.equal(part.entropy, full.entropy[:, units]) and torch.equal(part.logp, full.logp[:, units])
+
+
 def test_merged_groups_keep_their_tokens_logprobs_and_meta(lora_policy):
     """Dynamic sampling's refill merges groups of several rollouts (different prompts, completion widths)."""
     policy = lora_policy
