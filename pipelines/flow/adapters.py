@@ -577,10 +577,6 @@ class FlowAdapter:
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """The parameters the optimiser updates (LoRA weights, or the whole transformer)."""
-        return [p for p in self.transformer.parameters() if p.requires_grad]
-
     def save_trainable(self, directory: Path, transformer: nn.Module | None = None,
                        state_dict: dict[str, Tensor] | None = None) -> None:
         """Write the trained weights (safetensors) for stock diffusers, one file or folder per trained part.

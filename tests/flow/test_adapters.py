@@ -8,7 +8,7 @@ import warnings
 import diffusers
 import pytest
 import torch
-from perturb import perturbed
+from perturb import perturbed, trainable
 
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.flow import adapters as adapters_module
@@ -172,7 +172,7 @@ def test_cfg_is_the_manual_combination_and_the_unconditional_branch_carries_no_g
         assert torch.equal(v, v_u + g * (v_c - v_u))
 
         weights = torch.randn(v.shape, generator=torch.Generator().manual_seed(1))
-        params = ad.trainable_parameters()
+        params = trainable(ad)
         grads = torch.autograd.grad((v * weights).sum(), params)
         cond_grads = torch.autograd.grad((v_c * weights).sum(), params)
         assert any(c.abs().sum() > 0 for c in cond_grads)
@@ -250,7 +250,7 @@ def test_velocity_is_bitwise_reproducible_for_the_same_batch_composition(kind, a
 @pytest.mark.parametrize("kind", KINDS)
 def test_lora_starts_at_the_base_model_and_the_reference_stays_there(kind, adapter_of):
     ad = adapter_of(kind)
-    params = ad.trainable_parameters()
+    params = trainable(ad)
     assert params and all(p.dtype == torch.float32 and "lora" in n
                           for n, p in ad.transformer.named_parameters() if p.requires_grad)
     frozen = [m for n, m in ad.pipe.components.items() if n.startswith(("text_encoder", "vae")) and m is not None]
@@ -283,7 +283,7 @@ def test_saved_lora_loads_in_stock_diffusers_and_back(kind, adapter_of, tmp_path
     t = ad.timestep(sigma)
     with perturbed(ad, seed=5):
         ad.save_trainable(tmp_path)
-        trained = [p.detach().clone() for p in ad.trainable_parameters()]
+        trained = [p.detach().clone() for p in trainable(ad)]
         with torch.no_grad():
             want = ad._forward(ad.transformer, x, t, e.cond, GUIDANCE[kind])
     assert [p.name for p in tmp_path.iterdir()] == ["pytorch_lora_weights.safetensors"]
@@ -300,20 +300,20 @@ def test_saved_lora_loads_in_stock_diffusers_and_back(kind, adapter_of, tmp_path
     assert not torch.allclose(base, want, atol=1e-3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-    before = [p.detach().clone() for p in ad.trainable_parameters()]
+    before = [p.detach().clone() for p in trainable(ad)]
     ad.load_trainable(tmp_path)
     try:
-        assert all(torch.equal(p, q) for p, q in zip(ad.trainable_parameters(), trained))
+        assert all(torch.equal(p, q) for p, q in zip(trainable(ad), trained))
     finally:
         with torch.no_grad():
-            for p, q in zip(ad.trainable_parameters(), before):
+            for p, q in zip(trainable(ad), before):
                 p.copy_(q)
 
 
 def test_full_fine_tune_trains_everything_saves_a_transformer_folder_and_keeps_a_reference(tiny_cache, tmp_path):
     ad = load_adapter(tiny_cfg("sd3", lora_rank=0), keep_reference=True)
     params = list(ad.transformer.parameters())
-    assert len(ad.trainable_parameters()) == len(params) and all(p.dtype == torch.float32 for p in params)
+    assert len(trainable(ad)) == len(params) and all(p.dtype == torch.float32 for p in params)
     x, sigma = inputs(ad, 2)
     e = ad.encode(["full a", "full b"], "", 4.5)
     with torch.no_grad():
@@ -355,7 +355,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_cac
     def grads():
         block_runs.clear()
         loss = ad.velocity(x, sigma, e, 3.5).square().mean()
-        return torch.autograd.grad(loss, ad.trainable_parameters()), len(block_runs)
+        return torch.autograd.grad(loss, trainable(ad)), len(block_runs)
 
     with perturbed(ad):
         with_ckpt, runs_ckpt = grads()
@@ -370,7 +370,7 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_gradients(tiny_cac
 def test_bfloat16_base_with_fp32_lora(tiny_cache):
     ad = load_adapter(tiny_cfg("wan", dtype="bfloat16"))
     assert ad.dtype == torch.bfloat16 and ad.pipe.vae.dtype == torch.bfloat16
-    assert all(p.dtype == torch.float32 for p in ad.trainable_parameters())
+    assert all(p.dtype == torch.float32 for p in trainable(ad))
     assert ad.transformer.proj_out.weight.dtype == torch.bfloat16
     x, sigma = inputs(ad, 2)
     e = ad.encode(["bf16 a", "bf16 b"], "", 5.0)
@@ -379,7 +379,7 @@ def test_bfloat16_base_with_fp32_lora(tiny_cache):
         v = ad.velocity(x, sigma, e, 5.0)
         assert v.dtype == torch.float32 and torch.isfinite(v).all()
         v.square().mean().backward()
-    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in ad.trainable_parameters())
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainable(ad))
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3"])  # diffusers backend dispatch (FLUX) and SDPA processors (SD3)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-from perturb import perturbed
+from perturb import perturbed, trainable
 from random_flow import RANDOM_TINY_SD3
 from safetensors.torch import load_file
 from transformers import UMT5Config, UMT5EncoderModel
@@ -257,7 +257,7 @@ def test_lora_of_both_experts_loads_in_stock_diffusers_and_back(lora, folders, t
     with perturbed(ad, seed=5):
         ad.save_trainable(tmp_path / "lora")
         ad.save_trainable(tmp_path / "gathered", state_dict=ad.transformer.state_dict())  # as under FSDP
-        trained = [p.detach().clone() for p in ad.trainable_parameters()]
+        trained = [p.detach().clone() for p in trainable(ad)]
         want = {n: expert(ad.parts[n], x, t, e.cond) for n in ad.parts}
     files = {lora_weight_name("transformer"), lora_weight_name("transformer_2")}
     assert {p.name for p in (tmp_path / "lora").iterdir()} == files
@@ -273,19 +273,19 @@ def test_lora_of_both_experts_loads_in_stock_diffusers_and_back(lora, folders, t
     for name in ad.parts:
         torch.testing.assert_close(expert(getattr(pipe, name), x, t, e.cond), want[name], rtol=1e-5, atol=1e-5)
 
-    before = [p.detach().clone() for p in ad.trainable_parameters()]
+    before = [p.detach().clone() for p in trainable(ad)]
     ad.load_trainable(tmp_path / "lora")
     try:
-        assert all(torch.equal(p, q) for p, q in zip(ad.trainable_parameters(), trained))
+        assert all(torch.equal(p, q) for p, q in zip(trainable(ad), trained))
     finally:
         with torch.no_grad():
-            for p, q in zip(ad.trainable_parameters(), before):
+            for p, q in zip(trainable(ad), before):
                 p.copy_(q)
 
 
 def test_full_fine_tune_of_both_experts_saves_two_loadable_folders(folders, tmp_path):
     ad = load_adapter(cfg_of(folders["a14b"], lora_rank=0), keep_reference=True)
-    assert len(ad.trainable_parameters()) == len(list(ad.transformer.parameters()))
+    assert len(trainable(ad)) == len(list(ad.transformer.parameters()))
     x, e = latents(ad, 2), ad.encode(["full a", "full b"], "", G)
     sigma = torch.tensor([0.9, 0.5])
     with torch.no_grad():
@@ -322,7 +322,7 @@ def test_training_one_expert_keeps_the_other_frozen_and_shared(folders, tmp_path
     x, e = latents(ad, 2), ad.encode(["one a", "one b"], "", 1.0)
     v = ad.velocity(x, torch.full((2,), 0.9), e, 1.0)  # a high-noise step: only the frozen expert runs
     assert v.requires_grad
-    grads = torch.autograd.grad(v.square().mean(), ad.trainable_parameters())
+    grads = torch.autograd.grad(v.square().mean(), trainable(ad))
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
     ad.save_trainable(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["transformer_2"]

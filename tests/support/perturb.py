@@ -1,15 +1,20 @@
-"""A temporary change of a flow adapter's trainable weights, for tests that need a trained-looking model."""
+"""A flow adapter's trainable weights, and a temporary change of them for tests that need a trained-looking model."""
 
 import contextlib
 
 import torch
 
 
+def trainable(adapter) -> list[torch.nn.Parameter]:
+    """The parameters the optimiser updates: the LoRA weights, or the whole transformer (both Wan2.2 experts)."""
+    return [p for p in adapter.transformer.parameters() if p.requires_grad]
+
+
 @contextlib.contextmanager
 def perturbed(adapter, seed: int = 0, std: float = 0.05):
     """Add Gaussian noise to every trainable parameter (LoRA B included, so LoRA is no longer a no-op); restore
     the weights on exit."""
-    params = adapter.trainable_parameters()
+    params = trainable(adapter)
     saved = [p.detach().clone() for p in params]
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
