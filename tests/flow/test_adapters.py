@@ -8,7 +8,7 @@ import warnings
 import diffusers
 import pytest
 import torch
-from perturb import perturbed, trainable
+from perturb import perturbed, restored, trainable
 
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.flow import adapters as adapters_module
@@ -300,14 +300,9 @@ def test_saved_lora_loads_in_stock_diffusers_and_back(kind, adapter_of, tmp_path
     assert not torch.allclose(base, want, atol=1e-3)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
-    before = [p.detach().clone() for p in trainable(ad)]
-    ad.load_trainable(tmp_path)
-    try:
+    with restored(ad):
+        ad.load_trainable(tmp_path)
         assert all(torch.equal(p, q) for p, q in zip(trainable(ad), trained))
-    finally:
-        with torch.no_grad():
-            for p, q in zip(trainable(ad), before):
-                p.copy_(q)
 
 
 def test_full_fine_tune_trains_everything_saves_a_transformer_folder_and_keeps_a_reference(tiny_cache, tmp_path):

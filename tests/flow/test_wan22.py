@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-from perturb import perturbed, trainable
+from perturb import perturbed, restored, trainable
 from random_flow import RANDOM_TINY_SD3
 from safetensors.torch import load_file
 from transformers import UMT5Config, UMT5EncoderModel
@@ -273,14 +273,9 @@ def test_lora_of_both_experts_loads_in_stock_diffusers_and_back(lora, folders, t
     for name in ad.parts:
         torch.testing.assert_close(expert(getattr(pipe, name), x, t, e.cond), want[name], rtol=1e-5, atol=1e-5)
 
-    before = [p.detach().clone() for p in trainable(ad)]
-    ad.load_trainable(tmp_path / "lora")
-    try:
+    with restored(ad):
+        ad.load_trainable(tmp_path / "lora")
         assert all(torch.equal(p, q) for p, q in zip(trainable(ad), trained))
-    finally:
-        with torch.no_grad():
-            for p, q in zip(trainable(ad), before):
-                p.copy_(q)
 
 
 def test_full_fine_tune_of_both_experts_saves_two_loadable_folders(folders, tmp_path):

@@ -1,4 +1,4 @@
-"""A flow adapter's trainable weights, and a temporary change of them for tests that need a trained-looking model."""
+"""A flow adapter's trainable weights, and temporary changes of them for tests that need a trained-looking model."""
 
 import contextlib
 
@@ -11,18 +11,26 @@ def trainable(adapter) -> list[torch.nn.Parameter]:
 
 
 @contextlib.contextmanager
-def perturbed(adapter, seed: int = 0, std: float = 0.05):
-    """Add Gaussian noise to every trainable parameter (LoRA B included, so LoRA is no longer a no-op); restore
-    the weights on exit."""
+def restored(adapter):
+    """Let the body change the trainable parameters in place (a perturbation, ``load_trainable``); put the weights
+    back as they were on exit."""
     params = trainable(adapter)
     saved = [p.detach().clone() for p in params]
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in params:
-            p.add_(torch.randn(p.shape, generator=gen) * std)
     try:
         yield
     finally:
         with torch.no_grad():
             for p, s in zip(params, saved):
                 p.copy_(s)
+
+
+@contextlib.contextmanager
+def perturbed(adapter, seed: int = 0, std: float = 0.05):
+    """Add Gaussian noise to every trainable parameter (LoRA B included, so LoRA is no longer a no-op); restore
+    the weights on exit."""
+    gen = torch.Generator().manual_seed(seed)
+    with restored(adapter):
+        with torch.no_grad():
+            for p in trainable(adapter):
+                p.add_(torch.randn(p.shape, generator=gen) * std)
+        yield
