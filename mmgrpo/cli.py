@@ -22,8 +22,9 @@ presets (configs/) are in the repository, not in the package. Run it from a clon
 Nothing was trained."""
 
 
-def _policy_and_weights(cfg: Any) -> Any:
-    """The configured policy with the weights of ``cfg.resume`` (a checkpoint path or 'latest') when given."""
+def _policy_and_weights(cfg: Any) -> tuple[Any, Path | None]:
+    """The configured policy with the weights of ``cfg.resume`` (a checkpoint path or 'latest') when given, and the
+    checkpoint folder they came from (None: the configured model's own weights)."""
     import torch
 
     from mmgrpo import checkpoint
@@ -45,7 +46,19 @@ def _policy_and_weights(cfg: Any) -> Any:
             with torch.no_grad():
                 for name, value in load_file(str(ema)).items():
                     params[name].copy_(value.to(params[name].dtype))
-    return policy
+    return policy, found
+
+
+def output_tag(directory: Path, kind: str, checkpoint: Path | None) -> str:
+    """A file stem in ``directory`` for ``kind`` ("eval", "sample") outputs of ``checkpoint`` that no earlier file
+    has: ``sample-step-20``, ``sample-base`` (no checkpoint), then ``sample-step-20-2``... so nothing is
+    overwritten."""
+    stem = f"{kind}-{checkpoint.name if checkpoint is not None else 'base'}"
+    tag, n = stem, 1
+    while any(directory.glob(f"{tag}.*")):
+        n += 1
+        tag = f"{stem}-{n}"
+    return tag
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -69,17 +82,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from mmgrpo.rewards import RewardZoo
 
     cfg = load_config(args.config, args.overrides)
-    policy = _policy_and_weights(cfg)
+    policy, found = _policy_and_weights(cfg)
     _, eval_items = policy.datasets()
     batch = policy.generate(eval_items)
     zoo = RewardZoo(cfg.rewards)
     _main, logged, _ = zoo(batch, only=zoo.evaluation_names)
     result = {"num_samples": len(batch), "rewards": {k: v.nanmean().item() for k, v in logged.items()},
-              "checkpoint": cfg.resume}
+              "checkpoint": None if found is None else str(found)}
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=2))
-    policy.save_samples(batch, out / "samples", "eval")
+    policy.save_samples(batch, out / "samples", output_tag(out / "samples", "eval", found))
     for name, value in result["rewards"].items():
         print(f"{name:>32s}  {value:.4f}")
     print(f"wrote {out / 'eval.json'}")
@@ -130,12 +143,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_sample(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    policy = _policy_and_weights(cfg)
+    policy, found = _policy_and_weights(cfg)
     train_items, eval_items = policy.datasets()
     known = {item["prompt"]: item for item in train_items + eval_items}
     items = [known.get(p, {"prompt": p}) for p in args.prompt] if args.prompt else eval_items[: args.num]
     batch = policy.generate(items)
-    for path in policy.save_samples(batch, Path(cfg.output_dir) / "samples", "sample"):
+    out = Path(cfg.output_dir) / "samples"
+    for path in policy.save_samples(batch, out, output_tag(out, "sample", found)):
         print(f"wrote {path}")
     return 0
 

@@ -104,12 +104,17 @@ def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, capsys):
     assert "reward/mean" in capsys.readouterr().out  # the end-of-run summary table
     assert main(["eval", str(preset), f"output_dir={tmp_path / 'base'}"]) == 0
     assert main(["eval", str(preset), "resume=latest"]) == 0
-    before = json.loads((tmp_path / "base" / "eval.json").read_text())["rewards"]
-    after = json.loads((tmp_path / "run" / "eval.json").read_text())["rewards"]
+    base, run = (json.loads((tmp_path / name / "eval.json").read_text()) for name in ("base", "run"))
+    assert base["checkpoint"] is None and run["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "step-12")
     key = "toy_bandit:match_reward"
-    assert after[key] > before[key], (before, after)
-    assert main(["sample", str(preset), "resume=latest", "--prompt", "prompt 3"]) == 0
-    assert (tmp_path / "run" / "samples" / "sample.txt").read_text().startswith("prompt 3")
+    assert run["rewards"][key] > base["rewards"][key], (base, run)
+    samples = tmp_path / "run" / "samples"
+    assert (samples / "eval-step-12.txt").is_file()
+    # samples are named after the checkpoint, and a second call does not overwrite the first
+    for prompt, name in (("prompt 3", "sample-step-12.txt"), ("prompt 5", "sample-step-12-2.txt")):
+        assert main(["sample", str(preset), "resume=latest", "--prompt", prompt]) == 0
+        assert (samples / name).read_text().startswith(prompt)
+    assert (samples / "sample-step-12.txt").read_text().startswith("prompt 3")
     capsys.readouterr()
     assert main(["eval", str(preset), f"output_dir={tmp_path / 'empty'}", "resume=latest"]) == 2
     assert "no checkpoint" in capsys.readouterr().err

@@ -143,7 +143,8 @@ def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
         torch.testing.assert_close(trainer.policy.model.weight.detach(), ema["weight"])
     torch.testing.assert_close(trainer.policy.model.weight.detach(), raw["weight"])
     # eval and sample load the averaged weights of the checkpoint
-    loaded = _policy_and_weights(toy(tmp_path, "train.ema_decay=0.9", "resume=latest"))
+    loaded, found = _policy_and_weights(toy(tmp_path, "train.ema_decay=0.9", "resume=latest"))
+    assert found == ckpt
     torch.testing.assert_close(loaded.model.weight.detach(), ema["weight"])
 
 

@@ -219,7 +219,7 @@ def test_checkpoint_round_trip_keeps_weights_and_window_position(adapter, tmp_pa
     args = ["sample", preset, *RANDOM_TINY_SD3, *SMALL, f"output_dir={tmp_path}", "resume=latest", "--prompt", "a red circle",
             "--prompt", "a green cube"]
     assert main(args) == 0
-    assert (tmp_path / "samples" / "sample.png").is_file()
+    assert [p.name for p in (tmp_path / "samples").glob("sample-*")] == [f"sample-{saved.parent.name}.png"]
 
 
 def test_shared_initial_noise_starts_each_group_from_one_latent(adapter, tmp_path):
