@@ -451,8 +451,10 @@ def run_demo(which: str, output_dir: str | None,
     result = {"task": spec.task, "metric": spec.metric, "before": before[spec.metric],
               "after": after[spec.metric], "minutes": round(total_minutes, 2)}
     (out / "demo.json").write_text(json.dumps(result, indent=2))
+    usage = reported_model_usage(which, spec, cfg, snapshot, items[0]["prompt"],
+                                 policy.adapter if flow else None)
     write_report(out, which, spec, cfg, before, after, validations, history, reported["step"], stop_reason["why"],
-                 before_batch, after_batch, total_minutes, schedule_end, acc.num_processes)
+                 before_batch, after_batch, total_minutes, schedule_end, acc.num_processes, usage)
     console.print(comparison_table(spec, before, after, flow))
     console.print(f"wrote {out / 'report.md'} and {out / 'demo.json'} ({total_minutes:.1f} minutes)")
     return result, trainer.interrupted
@@ -476,12 +478,57 @@ def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -
     return [(k, before[k], after.get(k, float("nan"))) for k in order]
 
 
+def reported_model_usage(which: str, spec: DemoSpec, cfg: Any, weights: Path, prompt: str,
+                         adapter: Any = None) -> str:
+    """Markdown for report.md: how to load the reported model's weights (``weights``, the demo's
+    ``reported-policy`` folder) with the stock libraries, and generate with it. Absolute paths, so the snippet runs
+    from any folder on this machine. ``adapter`` is the flow model adapter (its pipeline and transformer classes);
+    ``prompt`` is the one the flow snippet draws."""
+    weights, base = weights.resolve(), (REPO / spec.asset).resolve()
+    if which == "flow":
+        pipeline, transformer = adapter.pipeline_class, type(adapter.pipe.transformer).__name__
+        s = cfg.sampling
+        tokens = (f", max_sequence_length={cfg.model.max_sequence_length}"
+                  if cfg.model.max_sequence_length else "")
+        dtype = f"dtype=torch.{cfg.model.dtype}"  # the shipped files' own dtypes differ by part
+        if cfg.model.lora_rank:
+            load = (f'pipe = {pipeline}.from_pretrained("{base}", {dtype})\n'
+                    f'pipe.load_lora_weights("{weights}")')
+            imports = f"from diffusers import {pipeline}"
+        else:
+            load = (f'transformer = {transformer}.from_pretrained("{weights / "transformer"}", {dtype})\n'
+                    f'pipe = {pipeline}.from_pretrained("{base}", transformer=transformer, {dtype})')
+            imports = f"from diffusers import {pipeline}, {transformer}"
+        code = (f"import torch\n{imports}\n\n{load}\n"
+                f'image = pipe("{prompt}", height={s.height}, width={s.width}, '
+                f"num_inference_steps={s.eval_num_steps},\n             guidance_scale={s.guidance_scale:g}"
+                f"{tokens}, generator=torch.Generator().manual_seed(0)).images[0]\n"
+                'image.save("sample.png")')
+        after = ""
+    else:
+        if cfg.model.lora_rank:
+            code = ("from peft import PeftModel\nfrom transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
+                    f'model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained("{base}"),\n'
+                    f'                                  "{weights}")\n'
+                    f'processor = AutoProcessor.from_pretrained("{weights}")')
+            after = ""
+        else:
+            code = ("from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
+                    f'model = AutoModelForImageTextToText.from_pretrained("{weights}")\n'
+                    f'processor = AutoProcessor.from_pretrained("{weights}")')
+            after = (f"\nTo score it again, or on other questions: `mmgrpo eval {spec.preset} "
+                     f"model.path={weights}` from the repository root (docs/vlm.md).\n")
+    return (f"## The reported model\n\nIts weights are in `{weights.name}/`, in the stock format, which the stock "
+            f"libraries load:\n\n```python\n{code}\n```\n{after}")
+
+
 def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[str, float],
                  after: dict[str, float], validations: list[tuple[int, dict[str, float]]],
                  history: list[dict[str, Any]], reported_step: int, stop_reason: str, before_batch: Any,
-                 after_batch: Any, minutes: float, schedule_end: float, processes: int) -> None:
-    """report.md with the before/after table, the training and validation curves, and before/after samples.
-    ``schedule_end`` is the step the lr schedule was last planned to end at; ``processes`` trained together."""
+                 after_batch: Any, minutes: float, schedule_end: float, processes: int, usage: str) -> None:
+    """report.md with the before/after table, the training and validation curves, before/after samples, and how
+    to load the reported model (``usage``, :func:`reported_model_usage`). ``schedule_end`` is the step the lr
+    schedule was last planned to end at; ``processes`` trained together."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -579,7 +626,7 @@ GRPO on the tiny shipped model, on CPU, with no downloads, trained with `{spec.p
 ![reward curve](reward_curve.png)
 
 {sample_lines}
-"""
+{usage}"""
     (out / "report.md").write_text(text)
 
 

@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from small_demo import shrink
+from safetensors.torch import load_file, save_file
+from small_demo import SMALL, shrink
 
 from mmgrpo import demo
 from mmgrpo.config import RewardSpec
@@ -33,7 +34,7 @@ def small_demo(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
+def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, monkeypatch):
     result, stopped_by = demo.run_demo("flow", str(tmp_path), minutes=0.0)  # the budget ends after the first step
     saved = json.loads((tmp_path / "demo.json").read_text())
     assert stopped_by is None
@@ -49,6 +50,50 @@ def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path):
     for measure in ("shapes_eval/score", "diversity", "size_position_distance"):
         assert f"| {measure} |" in report
     assert "scored only before and after training" in report
+
+    # the report's snippet loads the reported weights (marked here) into the stock pipeline and generates
+    file = tmp_path / "reported-policy" / "transformer" / "diffusion_pytorch_model.safetensors"
+    marked = load_file(file)
+    name = next(iter(marked))
+    marked[name] += 1.0
+    save_file(marked, file)
+    monkeypatch.chdir(tmp_path)  # the snippet saves sample.png
+    scope = {}
+    exec(report_code(tmp_path), scope)  # noqa: S102 - the report's own snippet, run as a user would
+    assert scope["image"].size == (64, 64) and (tmp_path / "sample.png").is_file()
+    torch.testing.assert_close(scope["pipe"].transformer.state_dict()[name], marked[name])
+
+
+def report_code(out: Path) -> str:
+    """The Python snippet of report.md's "The reported model" section."""
+    found = re.search(r"## The reported model\n.*?```python\n(.*?)```", (out / "report.md").read_text(), re.DOTALL)
+    assert found, "report.md has no snippet for the reported model"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("which", ["flow", "vlm"])
+def test_the_reports_snippet_loads_a_reported_lora(which, tmp_path, monkeypatch):
+    """The demo presets train every weight; with ``model.lora_rank`` set, the snippet loads the adapter instead."""
+    from mmgrpo.config import load_config
+    from mmgrpo.policy import build_policy
+
+    spec = demo.DEMOS[which]
+    cfg = load_config(demo.REPO / spec.preset, [f"output_dir={tmp_path / 'run'}", "model.lora_rank=4", *SMALL])
+    policy = build_policy(cfg)
+    lora = [p for n, p in policy.model.named_parameters() if "lora_B" in n]
+    with torch.no_grad():  # LoRA B starts at zero: random values make every loaded tensor tell
+        for i, p in enumerate(lora):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    weights = tmp_path / "reported-policy"
+    policy.save(weights)
+    code = demo.reported_model_usage(which, spec, cfg, weights, "a red circle",
+                                     policy.adapter if which == "flow" else None)
+    monkeypatch.chdir(tmp_path)  # the flow snippet saves sample.png
+    scope = {}
+    exec(code.split("```python\n")[1].split("```")[0], scope)  # noqa: S102 - the report's snippet, run as a user would
+    loaded = scope["pipe"].transformer if which == "flow" else scope["model"]
+    got = sorted(round(p.sum().item(), 4) for n, p in loaded.named_parameters() if "lora_B" in n)
+    assert got == sorted(round(p.sum().item(), 4) for p in lora) and len(got) > 0
 
 
 def before_columns(out: Path) -> dict[str, str]:
@@ -83,6 +128,15 @@ def test_vlm_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, sup
     assert "![before/after samples](samples.png)" in report and "[samples.md](samples.md)" in report
     assert "| validation | 2 unseen prompts from assets/data/shapes_qa/val.jsonl, every " in report
     assert "| training | 1 optimiser step: time budget of 0.0 minutes reached at step 1 |" in report
+    file = out / "reported-policy" / "model.safetensors"  # the snippet loads these weights (marked here)
+    marked = load_file(file)
+    name = next(iter(marked))
+    marked[name] += 1.0
+    save_file(marked, file, metadata={"format": "pt"})
+    scope = {}
+    exec(report_code(out), scope)  # noqa: S102 - the report's own snippet, run as a user would
+    torch.testing.assert_close(scope["model"].state_dict()[name], marked[name])
+    assert scope["processor"].tokenizer is not None
 
     monkeypatch.setenv("PYTHONPATH", support_env["PYTHONPATH"])  # the launched processes import tests/support
     ddp = tmp_path / "ddp"
