@@ -482,8 +482,8 @@ def reported_model_usage(which: str, spec: DemoSpec, cfg: Any, weights: Path, pr
                          adapter: Any = None) -> str:
     """Markdown for report.md: how to load the reported model's weights (``weights``, the demo's
     ``reported-policy`` folder) with the stock libraries, and generate with it. Absolute paths, so the snippet runs
-    from any folder on this machine. ``adapter`` is the flow model adapter (its pipeline and transformer classes);
-    ``prompt`` is the one the flow snippet draws."""
+    from any folder on this machine. ``adapter`` is the flow model adapter (its pipeline and transformer classes;
+    an image pipeline, as the shipped model's is); ``prompt`` is the one the flow snippet draws."""
     weights, base = weights.resolve(), (REPO / spec.asset).resolve()
     if which == "flow":
         pipeline, transformer = adapter.pipeline_class, type(adapter.pipe.transformer).__name__
