@@ -485,6 +485,7 @@ def reported_model_usage(which: str, spec: DemoSpec, cfg: Any, weights: Path, pr
     from any folder on this machine. ``adapter`` is the flow model adapter (its pipeline and transformer classes;
     an image pipeline, as the shipped model's is); ``prompt`` is the one the flow snippet draws."""
     weights, base = weights.resolve(), (REPO / spec.asset).resolve()
+    after = ""
     if which == "flow":
         pipeline, transformer = adapter.pipeline_class, type(adapter.pipe.transformer).__name__
         s = cfg.sampling
@@ -504,14 +505,12 @@ def reported_model_usage(which: str, spec: DemoSpec, cfg: Any, weights: Path, pr
                 f"num_inference_steps={s.eval_num_steps},\n             guidance_scale={s.guidance_scale:g}"
                 f"{tokens}, generator=torch.Generator().manual_seed(0)).images[0]\n"
                 'image.save("sample.png")')
-        after = ""
     else:
         if cfg.model.lora_rank:
             code = ("from peft import PeftModel\nfrom transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
                     f'model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained("{base}"),\n'
                     f'                                  "{weights}")\n'
                     f'processor = AutoProcessor.from_pretrained("{weights}")')
-            after = ""
         else:
             code = ("from transformers import AutoModelForImageTextToText, AutoProcessor\n\n"
                     f'model = AutoModelForImageTextToText.from_pretrained("{weights}")\n'

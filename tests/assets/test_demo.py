@@ -64,11 +64,16 @@ def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, mo
     torch.testing.assert_close(scope["pipe"].transformer.state_dict()[name], marked[name])
 
 
-def report_code(out: Path) -> str:
-    """The Python snippet of report.md's "The reported model" section."""
-    found = re.search(r"## The reported model\n.*?```python\n(.*?)```", (out / "report.md").read_text(), re.DOTALL)
-    assert found, "report.md has no snippet for the reported model"
+def snippet(markdown: str) -> str:
+    """The Python snippet of a "The reported model" section (:func:`demo.reported_model_usage`)."""
+    found = re.search(r"## The reported model\n.*?```python\n(.*?)```", markdown, re.DOTALL)
+    assert found, "no snippet for the reported model"
     return found.group(1)
+
+
+def report_code(out: Path) -> str:
+    """The Python snippet of report.md."""
+    return snippet((out / "report.md").read_text())
 
 
 @pytest.mark.parametrize("which", ["flow", "vlm"])
@@ -90,7 +95,7 @@ def test_the_reports_snippet_loads_a_reported_lora(which, tmp_path, monkeypatch)
                                      policy.adapter if which == "flow" else None)
     monkeypatch.chdir(tmp_path)  # the flow snippet saves sample.png
     scope = {}
-    exec(code.split("```python\n")[1].split("```")[0], scope)  # noqa: S102 - the report's snippet, run as a user would
+    exec(snippet(code), scope)  # noqa: S102 - the report's snippet, run as a user would
     loaded = scope["pipe"].transformer if which == "flow" else scope["model"]
     got = sorted(round(p.sum().item(), 4) for n, p in loaded.named_parameters() if "lora_B" in n)
     assert got == sorted(round(p.sum().item(), 4) for p in lora) and len(got) > 0
