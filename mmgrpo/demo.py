@@ -451,6 +451,8 @@ def run_demo(which: str, output_dir: str | None,
     result = {"task": spec.task, "metric": spec.metric, "before": before[spec.metric],
               "after": after[spec.metric], "minutes": round(total_minutes, 2)}
     (out / "demo.json").write_text(json.dumps(result, indent=2))
+    if flow and not cfg.model.lora_rank:
+        complete_pipeline(snapshot, REPO / spec.asset)
     usage = reported_model_usage(which, spec, cfg, snapshot, items[0]["prompt"],
                                  policy.adapter if flow else None)
     write_report(out, which, spec, cfg, before, after, validations, history, reported["step"], stop_reason["why"],
@@ -478,16 +480,30 @@ def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -
     return [(k, before[k], after.get(k, float("nan"))) for k in order]
 
 
+def complete_pipeline(weights: Path, base: Path) -> None:
+    """Make ``weights`` (the trained parts of a diffusers pipeline: ``transformer/``) a whole pipeline folder by
+    copying in, unchanged, every file and part of the ``base`` pipeline folder that it lacks (model_index.json,
+    scheduler, VAE, text encoders, tokenizers)."""
+    for entry in base.iterdir():
+        target = weights / entry.name
+        if target.exists():
+            continue
+        if entry.is_dir():
+            shutil.copytree(entry, target)
+        else:
+            shutil.copy2(entry, target)
+
+
 def reported_model_usage(which: str, spec: DemoSpec, cfg: Any, weights: Path, prompt: str,
                          adapter: Any = None) -> str:
     """Markdown for report.md: how to load the reported model's weights (``weights``, the demo's
     ``reported-policy`` folder) with the stock libraries, and generate with it. Absolute paths, so the snippet runs
-    from any folder on this machine. ``adapter`` is the flow model adapter (its pipeline and transformer classes;
-    an image pipeline, as the shipped model's is); ``prompt`` is the one the flow snippet draws."""
+    from any folder on this machine. ``adapter`` is the flow model adapter (its pipeline class: an image
+    pipeline, as the shipped model's is); ``prompt`` is the one the flow snippet draws."""
     weights, base = weights.resolve(), (REPO / spec.asset).resolve()
     after = ""
     if which == "flow":
-        pipeline, transformer = adapter.pipeline_class, type(adapter.pipe.transformer).__name__
+        pipeline = adapter.pipeline_class
         s = cfg.sampling
         tokens = (f", max_sequence_length={cfg.model.max_sequence_length}"
                   if cfg.model.max_sequence_length else "")
@@ -495,12 +511,12 @@ def reported_model_usage(which: str, spec: DemoSpec, cfg: Any, weights: Path, pr
         if cfg.model.lora_rank:
             load = (f'pipe = {pipeline}.from_pretrained("{base}", {dtype})\n'
                     f'pipe.load_lora_weights("{weights}")')
-            imports = f"from diffusers import {pipeline}"
         else:
-            load = (f'transformer = {transformer}.from_pretrained("{weights / "transformer"}", {dtype})\n'
-                    f'pipe = {pipeline}.from_pretrained("{base}", transformer=transformer, {dtype})')
-            imports = f"from diffusers import {pipeline}, {transformer}"
-        code = (f"import torch\n{imports}\n\n{load}\n"
+            load = f'pipe = {pipeline}.from_pretrained("{weights}", {dtype})'
+            after = (f"\nIt is a whole pipeline folder (the shipped one with the trained `transformer/`), so from the "
+                     f"repository root `mmgrpo sample {spec.preset} model.path={weights}` draws from it and "
+                     f"`mmgrpo eval {spec.preset} model.path={weights}` scores it again (docs/flow.md).\n")
+        code = (f"import torch\nfrom diffusers import {pipeline}\n\n{load}\n"
                 f'image = pipe("{prompt}", height={s.height}, width={s.width}, '
                 f"num_inference_steps={s.eval_num_steps},\n             guidance_scale={s.guidance_scale:g}"
                 f"{tokens}, generator=torch.Generator().manual_seed(0)).images[0]\n"

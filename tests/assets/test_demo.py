@@ -63,6 +63,20 @@ def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, mo
     assert scope["image"].size == (64, 64) and (tmp_path / "sample.png").is_file()
     torch.testing.assert_close(scope["pipe"].transformer.state_dict()[name], marked[name])
 
+    # it is a whole pipeline folder, so `mmgrpo sample` (the command report.md names) loads it as model.path
+    weights = tmp_path / "reported-policy"
+    assert f"`mmgrpo sample {demo.DEMOS['flow'].preset} model.path={weights}`" in report
+    monkeypatch.chdir(demo.REPO)
+    from mmgrpo.cli import main
+    from mmgrpo.config import load_config
+    from mmgrpo.policy import build_policy
+
+    args = [demo.DEMOS["flow"].preset, f"model.path={weights}", f"output_dir={tmp_path / 'sampled'}", *SMALL]
+    assert main(["sample", *args, "--num", "1"]) == 0
+    assert (tmp_path / "sampled" / "samples" / "sample-base.png").is_file()
+    policy = build_policy(load_config(args[0], args[1:]))  # the weights `mmgrpo sample` drew with
+    torch.testing.assert_close(policy.adapter.transformer.state_dict()[name], marked[name])
+
 
 def snippet(markdown: str) -> str:
     """The Python snippet of a "The reported model" section (:func:`demo.reported_model_usage`)."""
