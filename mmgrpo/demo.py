@@ -515,7 +515,8 @@ def reported_model_usage(which: str, spec: DemoSpec, cfg: Any, weights: Path, pr
             load = f'pipe = {pipeline}.from_pretrained("{weights}", {dtype})'
             after = (f"\nIt is a whole pipeline folder (the shipped one with the trained `transformer/`), so from the "
                      f"repository root `mmgrpo sample {spec.preset} model.path={weights}` draws from it and "
-                     f"`mmgrpo eval {spec.preset} model.path={weights}` scores it again (docs/flow.md).\n")
+                     f"`mmgrpo eval {spec.preset} model.path={weights}` scores it on the held-out prompts, one sample "
+                     f"each (docs/flow.md).\n")
         code = (f"import torch\nfrom diffusers import {pipeline}\n\n{load}\n"
                 f'image = pipe("{prompt}", height={s.height}, width={s.width}, '
                 f"num_inference_steps={s.eval_num_steps},\n             guidance_scale={s.guidance_scale:g}"
