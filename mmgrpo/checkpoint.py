@@ -49,6 +49,22 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     return path
 
 
+def checkpoint_hint(path: str | os.PathLike) -> str:
+    """The end of a model-loading error for a ``model.path`` that is an mmgrpo checkpoint (``step-N``) or its
+    ``policy`` folder: the weights in it load onto the run's base model through ``resume``, so name both. Empty
+    for any other path."""
+    import yaml
+
+    local = Path(path).expanduser()
+    folder = next((f for f in (local, local.parent) if (f / STATE_FILE).is_file()), None)
+    if folder is None:
+        return ""
+    saved = folder / CONFIG_FILE
+    base = (yaml.safe_load(saved.read_text()) or {}).get("model", {}).get("path") if saved.is_file() else None
+    return (f"; {folder} is an mmgrpo checkpoint, whose weights load onto its run's base model: set "
+            f"model.path={base or 'the base model'} resume={folder}")
+
+
 def existing_run(run_dir: Path) -> str | None:
     """What in ``run_dir`` shows an earlier run (its metrics or checkpoints), or None."""
     found = [name for name in ("metrics.jsonl",) if (run_dir / name).is_file()]

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from mmgrpo.checkpoint import checkpoint_hint
 from mmgrpo.config import ConfigError, cwd_hint, hub_id_hint
 from mmgrpo.pipelines.flow.config import FlowModelConfig
 from mmgrpo.pipelines.flow.tiny import KINDS, tiny_path
@@ -140,7 +141,7 @@ def resolve_model_path(path: str) -> tuple[str, bool]:
             raise ConfigError(f"bad value for 'model.path': local model folder not found: {path}{cwd_hint(path)}")
         if not (local / "model_index.json").is_file():
             raise ConfigError(f"bad value for 'model.path': {path} is not a diffusers pipeline folder "
-                              "(no model_index.json)")
+                              f"(no model_index.json){checkpoint_hint(local)}")
         return str(local), True
     return path, False
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mmgrpo.checkpoint import checkpoint_hint
 from mmgrpo.config import ConfigError, cwd_hint, hub_id_hint
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.data import chat_content
@@ -126,7 +127,8 @@ class VLMModel:
             where = "the local folder" if local else "the Hugging Face hub (offline or unreachable?)"
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             hint = "" if local else hub_id_hint(cfg.path)
-            raise ConfigError(f"model.path: cannot load '{cfg.path}' from {where}{hint}: {reason}") from err
+            raise ConfigError(f"model.path: cannot load '{cfg.path}' from {where}{hint}: {reason}"
+                              f"{checkpoint_hint(self.path)}") from err
         self.tokenizer = self.processor.tokenizer
         model.to(self.device)
         vision = module_names(model, VISION_MODULES)

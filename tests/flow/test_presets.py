@@ -48,6 +48,13 @@ def test_tiny_preset_trains_two_steps_exactly_on_policy(preset, tmp_path):
         assert rows[0]["logp/rollout_vs_recompute_max_dev"] <= 1e-6
     if preset == "tiny_flowgrpo":
         assert rows[0]["nfe/rollout"] == FLOWGRPO_ROLLOUT_NFE
+        # a checkpoint given as model.path: the one-line error says how to load it, and that way works
+        checkpoint, args = tmp_path / "checkpoints" / "step-2", [f"configs/flow/{preset}.yaml", "--num", "1"]
+        proc = mmgrpo("sample", *args, f"model.path={checkpoint / 'policy'}")
+        fix = f"model.path=assets/tiny-sd3-shapes resume={checkpoint}"
+        assert proc.returncode == 2 and proc.stderr.strip().endswith(f"set {fix}") and proc.stderr.count("\n") == 1
+        proc = mmgrpo("sample", *args, *fix.split(), f"output_dir={tmp_path / 'sampled'}")
+        assert proc.returncode == 0 and (tmp_path / "sampled" / "samples" / "sample-step-2.png").is_file()
     if preset == "tiny_tempflow":  # each group's ODE prefix (the steps before its branch step) runs on one row, not 8
         assert rows[0]["nfe/rollout"] < FLOWGRPO_ROLLOUT_NFE
 

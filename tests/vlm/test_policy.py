@@ -16,6 +16,7 @@ from random_vlm import DATA, RANDOM_TINY_VLM
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.grpo import ppo_clip_loss
 from mmgrpo.pipelines.vlm.data import read_samples
+from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy, prepared_tensors
 from mmgrpo.pipelines.vlm.prompt_cache import PromptCache
 from mmgrpo.pipelines.vlm.video import decode_video, load_image
@@ -438,6 +439,9 @@ def test_lora_checkpoint_loads_with_peft(tmp_path):
     fresh = VLMPolicy(cfg)
     fresh.load(folder)
     assert all(torch.equal(p, dict(fresh.model.named_parameters())[n]) for n, p in mine.items())
+    with pytest.raises(ConfigError) as err:  # the checkpoint given as model.path: the error says how to load it
+        VLMModel(replace(cfg.model, path=str(folder.parent)))
+    assert str(err.value).endswith(f"set model.path={cfg.model.path} resume={folder.parent}")
 
 
 def test_full_checkpoint_loads_with_transformers(tmp_path):
