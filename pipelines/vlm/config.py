@@ -15,7 +15,9 @@ class VLMModelConfig:
     path: str = "???"
     """Hub id (e.g. Qwen/Qwen2.5-VL-7B-Instruct) or local transformers folder. ``tiny:qwen2_vl`` and
     ``tiny:qwen2_5_vl`` build a tiny random model once, save it in the real format under ~/.cache/mmgrpo/tiny,
-    and load it from there through the same from_pretrained path."""
+    and load it from there through the same from_pretrained path. A PEFT adapter (a folder or hub id with
+    adapter_config.json, e.g. a LoRA SFT, or the ``policy`` folder of an mmgrpo LoRA checkpoint) loads as its base
+    model with the adapter merged in: training starts from it, and it is the reference for the KL."""
     revision: str | None = None
     """Hub revision for ``path``."""
     dtype: str = "float32"

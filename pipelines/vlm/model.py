@@ -52,6 +52,17 @@ def resolve_path(cfg: VLMModelConfig) -> tuple[str, bool]:
     return cfg.path, False
 
 
+def adapter_base(path: str, revision: str | None) -> str | None:
+    """The base model (``base_model_name_or_path``) when ``path`` (a local folder or hub id) is a PEFT adapter,
+    such as the ``policy`` folder of an mmgrpo LoRA checkpoint; None for a full model."""
+    from peft import PeftConfig
+    from transformers.utils import find_adapter_config_file
+
+    if find_adapter_config_file(path, revision=revision) is None:
+        return None
+    return PeftConfig.from_pretrained(path, revision=revision).base_model_name_or_path
+
+
 def pick_attention(name: str) -> str:
     """``name``, or sdpa (with a one-time warning) when flash_attention_2 cannot run here."""
     if name != "flash_attention_2":
@@ -104,7 +115,9 @@ def language_model_prefix(model: nn.Module) -> str:
 class VLMModel:
     """A loaded VLM plus its processor.
 
-    - ``model``: the trainable module (a ``PeftModel`` with LoRA on the language model, or the full model).
+    - ``model``: the trainable module (a ``PeftModel`` with LoRA on the language model, or the full model). A
+      ``model.path`` that is a PEFT adapter loads as its base model (``base_path``) with the adapter merged in, so
+      training starts from the adapted model, which is also the reference.
     - ``vision_token_ids``: every vision special token id; generation never samples them.
     - ``eos_token_ids``: ``<|im_end|>`` and ``<|endoftext|>``; ``pad_token_id`` right-pads completions.
     """
@@ -120,9 +133,17 @@ class VLMModel:
         attn = pick_attention(cfg.attn_implementation)
         revision = None if local else cfg.revision
         try:
+            self.base_path = adapter_base(self.path, revision) or self.path
             model = AutoModelForImageTextToText.from_pretrained(
-                self.path, revision=revision, dtype=DTYPES[cfg.dtype], attn_implementation=attn)
-            self.processor = AutoProcessor.from_pretrained(self.path, revision=revision)
+                self.base_path, revision=None if self.base_path != self.path else revision,
+                dtype=DTYPES[cfg.dtype], attn_implementation=attn)
+            if self.base_path != self.path:  # a PEFT adapter: train from, and refer to, the adapted model
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, self.path, revision=revision).merge_and_unload()
+            with_processor = self.base_path == self.path or (Path(self.path) / "tokenizer_config.json").is_file()
+            self.processor = AutoProcessor.from_pretrained(self.path if with_processor else self.base_path,
+                                                           revision=revision if with_processor else None)
         except (OSError, ValueError) as err:  # missing files / offline hub; a config that is no image-text model
             where = "the local folder" if local else "the Hugging Face hub (offline or unreachable?)"
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -2,7 +2,7 @@
 
 Targets vLLM >= 0.11 (the V1 engine; checked at start-up, see :data:`MIN_VLLM`). Each training process runs one
 vLLM engine colocated in its own process, on its own GPU, built lazily at the first rollout from the model folder or
-hub id of ``model.path``. Per rollout:
+hub id of ``model.path`` (of its base model when it is a PEFT adapter). Per rollout:
 
 1. :meth:`VLLMSampler.sync_weights` pushes the current policy weights into the engine when they changed since the
    last push (:func:`weights_version`), named as the base checkpoint (:func:`policy_weights`), and resets the
@@ -179,15 +179,16 @@ def media_limits(items: Iterable[dict]) -> dict[str, int]:
 def engine_kwargs(cfg: VLMConfig, model_path: str, limits: dict[str, int], process_index: int = 0,
                   distributed: bool = False) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for this run; ``generation.vllm_engine_kwargs`` override them (its
-    ``mm_processor_kwargs`` are merged into ours).
+    ``mm_processor_kwargs`` are merged into ours). ``model_path`` is a full model: ``model.path`` or, when that
+    is a PEFT adapter, its base (``model.revision`` applies to ``model.path`` only).
 
     ``distributed`` (several training processes under torch.distributed): ``external_launcher``, vLLM's executor
     for torchrun-style launchers, so each process's engine lives in that process on its own GPU (tensor parallel 1).
     """
     gen = cfg.generation
-    local = Path(model_path).is_dir()
+    pinned = model_path == cfg.model.path and not Path(model_path).is_dir()  # not the base of an adapter
     kwargs: dict[str, Any] = {
-        "model": model_path, "tokenizer": model_path, "revision": None if local else cfg.model.revision,
+        "model": model_path, "tokenizer": model_path, "revision": cfg.model.revision if pinned else None,
         "dtype": cfg.model.dtype, "tensor_parallel_size": 1,
         "gpu_memory_utilization": gen.vllm_gpu_memory_utilization,
         "max_model_len": gen.vllm_max_model_len or cfg.data.max_prompt_tokens + gen.max_new_tokens,
@@ -376,7 +377,8 @@ class VLLMSampler:
                 state.num_processes > 1
             # the engine core must run in this process: weights are pushed by a function call on the live model
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            kwargs = engine_kwargs(self.cfg, self.vlm.path, self.limits, state.process_index, distributed)
+            # from the base of an adapter (vLLM loads full models); every weight is pushed before sampling anyway
+            kwargs = engine_kwargs(self.cfg, self.vlm.base_path, self.limits, state.process_index, distributed)
             self._llm = self.vllm.LLM(**kwargs)
         if self._asleep:
             self._llm.wake_up()

@@ -443,6 +443,18 @@ def test_lora_checkpoint_loads_with_peft(tmp_path):
         VLMModel(replace(cfg.model, path=str(folder.parent)))
     assert str(err.value).endswith(f"set model.path={cfg.model.path} resume={folder.parent}")
 
+    # the adapter as model.path: its base with the adapter merged in, a full model to train (and the reference)
+    initial = AutoModelForImageTextToText.from_pretrained(trainer.policy.vlm.path).state_dict()
+    merged = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(trainer.policy.vlm.path),
+                                       folder).merge_and_unload().state_dict()
+    started = VLMModel(replace(cfg.model, path=str(folder), lora_rank=0), keep_reference=True)
+    assert started.base_path == trainer.policy.vlm.path and started.processor.tokenizer is not None
+    state = started.model.state_dict()
+    assert state.keys() == merged.keys() and all(torch.equal(v, merged[k]) for k, v in state.items())
+    adapted = [k for k in state if k.endswith("q_proj.weight")]  # a LoRA target: moved by the merge
+    assert adapted and not any(torch.equal(state[k], initial[k]) for k in adapted)
+    assert all(torch.equal(v, state[k]) for k, v in started.reference_model.state_dict().items())
+
 
 def test_full_checkpoint_loads_with_transformers(tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor

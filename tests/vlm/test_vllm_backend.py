@@ -125,6 +125,9 @@ def test_engine_kwargs(tmp_path):
     assert kwargs["enforce_eager"] is True and kwargs["seed"] == 7 and kwargs["max_model_len"] == 333
     assert kwargs["mm_processor_kwargs"] == {"min_pixels": 28 * 28, "max_pixels": 5}
     assert cfg.generation.vllm_engine_kwargs["mm_processor_kwargs"] == {"max_pixels": 5}  # not consumed
+    cfg = config(tmp_path, overrides=("model.path=org/adapter", "model.revision=abc"))
+    assert vb.engine_kwargs(cfg, "org/adapter", limits)["revision"] == "abc"
+    assert vb.engine_kwargs(cfg, "org/base", limits)["revision"] is None  # the adapter's base: its own default
 
 
 def test_media_limits():
