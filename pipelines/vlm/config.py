@@ -17,7 +17,8 @@ class VLMModelConfig:
     ``tiny:qwen2_5_vl`` build a tiny random model once, save it in the real format under ~/.cache/mmgrpo/tiny,
     and load it from there through the same from_pretrained path. A PEFT adapter (a folder or hub id with
     adapter_config.json, e.g. a LoRA SFT, or the ``policy`` folder of an mmgrpo LoRA checkpoint) loads as its base
-    model with the adapter merged in: training starts from it, and it is the reference for the KL."""
+    model with the adapter merged in: training starts from it, and it is the reference for the KL (full fine-tuning
+    only: a new LoRA's checkpoints would name the base without the merged adapter)."""
     revision: str | None = None
     """Hub revision for ``path``."""
     dtype: str = "float32"

@@ -12,6 +12,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +62,32 @@ def adapter_base(path: str, revision: str | None) -> str | None:
     if find_adapter_config_file(path, revision=revision) is None:
         return None
     return PeftConfig.from_pretrained(path, revision=revision).base_model_name_or_path
+
+
+def load_pretrained(path: str, base_path: str, revision: str | None, dtype: torch.dtype,
+                    attn: str) -> tuple[nn.Module, Any]:
+    """(model, processor) from ``path``, or when that is a PEFT adapter of ``base_path``, the base model with the
+    adapter merged in and the adapter's processor (the base's when the adapter has none)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    adapter = base_path != path
+    model = AutoModelForImageTextToText.from_pretrained(base_path, revision=None if adapter else revision,
+                                                        dtype=dtype, attn_implementation=attn)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path, revision=revision).merge_and_unload()
+    own = not adapter or (Path(path) / "tokenizer_config.json").is_file()
+    processor = AutoProcessor.from_pretrained(path if own else base_path, revision=revision if own else None)
+    return model, processor
+
+
+def load_error(name: str, path: str, local: bool, err: Exception) -> ConfigError:
+    """The one-line ConfigError for ``model.path`` (``name``, found at ``path``) that failed to load with ``err``."""
+    where = "the local folder" if local else "the Hugging Face hub (offline or unreachable?)"
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    hint = "" if local else hub_id_hint(name)
+    return ConfigError(f"model.path: cannot load '{name}' from {where}{hint}: {reason}{checkpoint_hint(path)}")
 
 
 def pick_attention(name: str) -> str:
@@ -123,8 +150,6 @@ class VLMModel:
     """
 
     def __init__(self, cfg: VLMModelConfig, device: str | torch.device = "cpu", keep_reference: bool = False):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
         if cfg.dtype not in DTYPES:
             raise ConfigError(f"model.dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
         self.cfg = cfg
@@ -134,22 +159,17 @@ class VLMModel:
         revision = None if local else cfg.revision
         try:
             self.base_path = adapter_base(self.path, revision) or self.path
-            model = AutoModelForImageTextToText.from_pretrained(
-                self.base_path, revision=None if self.base_path != self.path else revision,
-                dtype=DTYPES[cfg.dtype], attn_implementation=attn)
-            if self.base_path != self.path:  # a PEFT adapter: train from, and refer to, the adapted model
-                from peft import PeftModel
-
-                model = PeftModel.from_pretrained(model, self.path, revision=revision).merge_and_unload()
-            with_processor = self.base_path == self.path or (Path(self.path) / "tokenizer_config.json").is_file()
-            self.processor = AutoProcessor.from_pretrained(self.path if with_processor else self.base_path,
-                                                           revision=revision if with_processor else None)
+        except (OSError, ValueError) as err:
+            raise load_error(cfg.path, self.path, local, err) from err
+        if self.base_path != self.path and cfg.lora_rank > 0:  # its checkpoints would name the base without it
+            raise ConfigError(f"model.lora_rank: '{cfg.path}' is a PEFT adapter, which loads merged into its base "
+                              f"{self.base_path}, and a new LoRA on it would save checkpoints that load onto that "
+                              "base without it: set model.lora_rank=0 (full fine-tuning from the merged model), or "
+                              "save the merged model (merge_and_unload, save_pretrained) and give its folder")
+        try:
+            model, self.processor = load_pretrained(self.path, self.base_path, revision, DTYPES[cfg.dtype], attn)
         except (OSError, ValueError) as err:  # missing files / offline hub; a config that is no image-text model
-            where = "the local folder" if local else "the Hugging Face hub (offline or unreachable?)"
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            hint = "" if local else hub_id_hint(cfg.path)
-            raise ConfigError(f"model.path: cannot load '{cfg.path}' from {where}{hint}: {reason}"
-                              f"{checkpoint_hint(self.path)}") from err
+            raise load_error(cfg.path, self.path, local, err) from err
         self.tokenizer = self.processor.tokenizer
         model.to(self.device)
         vision = module_names(model, VISION_MODULES)

@@ -454,6 +454,8 @@ def test_lora_checkpoint_loads_with_peft(tmp_path):
     adapted = [k for k in state if k.endswith("q_proj.weight")]  # a LoRA target: moved by the merge
     assert adapted and not any(torch.equal(state[k], initial[k]) for k in adapted)
     assert all(torch.equal(v, state[k]) for k, v in started.reference_model.state_dict().items())
+    with pytest.raises(ConfigError, match=r"^model.lora_rank: .* is a PEFT adapter.*set model.lora_rank=0"):
+        VLMModel(replace(cfg.model, path=str(folder)))  # a LoRA on the merged model: no base to load it onto
 
 
 def test_full_checkpoint_loads_with_transformers(tmp_path):
