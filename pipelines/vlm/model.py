@@ -77,6 +77,7 @@ def load_pretrained(path: str, base_path: str, revision: str | None, dtype: torc
         from peft import PeftModel
 
         model = PeftModel.from_pretrained(model, path, revision=revision).merge_and_unload()
+        model.requires_grad_(True)  # PEFT froze the base weights; a loaded model trains every one
     own = not adapter or (Path(path) / "tokenizer_config.json").is_file()
     processor = AutoProcessor.from_pretrained(path if own else base_path, revision=revision if own else None)
     return model, processor

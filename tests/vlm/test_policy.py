@@ -16,7 +16,7 @@ from random_vlm import DATA, RANDOM_TINY_VLM
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.grpo import ppo_clip_loss
 from mmgrpo.pipelines.vlm.data import read_samples
-from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.model import VISION_MODULES, VLMModel, module_names
 from mmgrpo.pipelines.vlm.policy import BadItem, VLMPolicy, prepared_tensors
 from mmgrpo.pipelines.vlm.prompt_cache import PromptCache
 from mmgrpo.pipelines.vlm.video import decode_video, load_image
@@ -454,6 +454,9 @@ def test_lora_checkpoint_loads_with_peft(tmp_path):
     adapted = [k for k in state if k.endswith("q_proj.weight")]  # a LoRA target: moved by the merge
     assert adapted and not any(torch.equal(state[k], initial[k]) for k in adapted)
     assert all(torch.equal(v, state[k]) for k, v in started.reference_model.state_dict().items())
+    vision = tuple(f"{name}." for name in module_names(started.model, VISION_MODULES))
+    assert vision and all(p.requires_grad != (cfg.model.freeze_vision and n.startswith(vision))  # trains as loaded
+                          for n, p in started.model.named_parameters())
     with pytest.raises(ConfigError, match=r"^model.lora_rank: .* is a PEFT adapter.*set model.lora_rank=0"):
         VLMModel(replace(cfg.model, path=str(folder)))  # a LoRA on the merged model: no base to load it onto
 
