@@ -67,7 +67,8 @@ def adapter_base(path: str, revision: str | None) -> str | None:
 def load_pretrained(path: str, base_path: str, revision: str | None, dtype: torch.dtype,
                     attn: str) -> tuple[nn.Module, Any]:
     """(model, processor) from ``path``, or when that is a PEFT adapter of ``base_path``, the base model with the
-    adapter merged in and the adapter's processor (the base's when the adapter has none)."""
+    adapter merged in and the adapter folder's processor (the base's for an adapter folder without one or a hub
+    adapter)."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     adapter = base_path != path
