@@ -11,8 +11,10 @@ real format.
   a training pass holds at its peak), counted with ``torch.autograd.graph.saved_tensors_hooks`` and excluding
   parameters. It leaves out weights, gradients and transient buffers; torch CPU allocations are not visible to
   tracemalloc, and process RSS only grows, so neither could separate the cases.
-- Rollout: ``generate_group`` (prompt prefilled once, cache shared) against ``generate_group_naive`` (prompt
-  prefilled on G copies) at G=8, P=1024, 64 new tokens (EOS disabled so every row runs all 64 steps), same seed.
+- Rollout: ``generate_group`` (prompt prefilled once, its KV cache stored once for the group) against
+  ``generate_group_naive`` (prompt prefilled on G copies, a cache row each) at G=8, P=1024, 64 new tokens (EOS
+  disabled so every row runs all 64 steps), same seed; plus the prefill alone and the KV-cache bytes each path
+  allocates for the whole rollout.
 """
 
 from __future__ import annotations
@@ -112,8 +114,14 @@ def train_cell(vlm: VLMModel, prompt: dict[str, torch.Tensor], group: int) -> di
             "max_abs_grad_diff": max(float((g_std[n] - g_pg[n]).abs().max()) for n in g_std)}
 
 
+def cache_mib(steps) -> float:
+    """MiB of the key and value buffers of a prefill's decoding state (room for every completion token)."""
+    return sum(layer.key_buffer.nbytes + layer.value_buffer.nbytes for layer in steps.cache.layers) / 2**20
+
+
 def rollout_cell(vlm: VLMModel, prompt: dict[str, torch.Tensor], group: int) -> dict[str, float]:
-    """Shared-prefill ``generate_group`` vs ``generate_group_naive``: end-to-end and prefill-only time."""
+    """Shared-prefill ``generate_group`` vs ``generate_group_naive``: end-to-end and prefill-only time, KV-cache
+    size."""
     cfg = VLMGenerationConfig(max_new_tokens=COMPLETION, temperature=1.0)
     eos, vlm.eos_token_ids = vlm.eos_token_ids, []
     try:
@@ -125,11 +133,14 @@ def rollout_cell(vlm: VLMModel, prompt: dict[str, torch.Tensor], group: int) -> 
             prefill_shared, prefill_naive = alternating_medians(
                 lambda: prefill(vlm, [prompt], group, True, COMPLETION),
                 lambda: prefill(vlm, [prompt], group, False, COMPLETION))
+            kv_shared = cache_mib(prefill(vlm, [prompt], group, True, COMPLETION)[1])
+            kv_naive = cache_mib(prefill(vlm, [prompt], group, False, COMPLETION)[1])
     finally:
         vlm.eos_token_ids = eos
     return {"shared_s": shared, "naive_s": naive, "rollout_speedup": naive / shared,
             "prefill_shared_s": prefill_shared, "prefill_naive_s": prefill_naive,
-            "prefill_only_speedup": prefill_naive / prefill_shared}
+            "prefill_only_speedup": prefill_naive / prefill_shared,
+            "kv_shared_mib": kv_shared, "kv_naive_mib": kv_naive, "kv_mem_ratio": kv_naive / kv_shared}
 
 
 @BENCHES.register("prefix-grouper")
@@ -153,6 +164,7 @@ def bench_prefix_grouper() -> tuple[list[dict], dict[str, float]]:
                      "load1": os.getloadavg()[0], **roll})
     figures["prefill_speedup_g8_p1024"] = roll["rollout_speedup"]
     figures["prefill_only_speedup_g8_p1024"] = roll["prefill_only_speedup"]
+    figures["rollout_kv_mem_ratio_g8_p1024"] = roll["kv_mem_ratio"]
     figures["max_abs_logprob_diff"] = max(r["max_abs_logprob_diff"] for r in rows if r["case"] == "train")
     figures["max_abs_grad_diff"] = max(r["max_abs_grad_diff"] for r in rows if r["case"] == "train")
     return rows, figures

@@ -1,9 +1,11 @@
 """Group sampling: G completions of a prompt with the prompt prefilled once.
 
 ``generate_groups`` prefills the prompts of up to ``generation.batch_rows`` rows together (text + vision tokens,
-vision tower included; left-padded to the longest, the padding masked), each once, repeats each KV cache to its G
-rows, and samples token by token with all those groups in one batch, so a step costs one prefill call and one
-model call per token instead of one of each per prompt. ``generate_group`` is one prompt;
+vision tower included; left-padded to the longest, the padding masked), each once, and samples token by token
+with all those groups in one batch, so a step costs one prefill call and one model call per token instead of one
+of each per prompt. Each group shares its prompt's KV cache: one cache row per prompt that the G samples' tokens
+are packed behind under a block mask (:class:`PackedSteps`), or, for models whose layers or attention kernel
+cannot take that mask, the cache repeated to the G rows (:class:`RowSteps`). ``generate_group`` is one prompt;
 ``generate_group_naive`` prefills the prompt G times (what TRL does) and is kept as the benchmark baseline. All
 share the decoding loop: temperature / top-k / top-p sampling from a ``torch.Generator``, vision special tokens
 (and embedding rows past the tokenizer) never sampled, M-RoPE positions continuing each row's prompt, and finished
@@ -143,14 +145,89 @@ def full_attention_only(vlm: VLMModel) -> bool:
     return all(kind == "full_attention" for kind in layer_types)
 
 
-def prefill(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], rows: int, shared: bool, max_new_tokens: int):
+def takes_block_mask(vlm: VLMModel) -> bool:
+    """Whether decoding can pack a group into one cache row (:class:`PackedSteps`): every layer attends to the
+    whole sequence and the attention kernel takes a 4-D mask (sdpa or eager; flash_attention_2 does not)."""
+    return full_attention_only(vlm) and unwrap(vlm.model).config._attn_implementation in ("sdpa", "eager")
+
+
+class RowSteps:
+    """Decoding with one cache row per sample: each step feeds every row's token (B,1) at the row's next
+    position. Finished rows leave the batch one by one (``block`` = 1)."""
+
+    block = 1
+
+    def __init__(self, cache, next_position: torch.Tensor, attention_mask: torch.Tensor | None):
+        """``next_position`` (lead,B,1): each row's first completion position; ``attention_mask`` (B,capacity)
+        hides cache columns (left padding), or None when nothing is padded."""
+        self.cache, self.position, self.attention_mask = cache, next_position, attention_mask
+        self.prefix = cache.get_seq_length()
+
+    def forward(self, vlm: VLMModel, token: torch.Tensor, t: int) -> torch.Tensor:
+        """Logits (B,V) fp32 after feeding ``token`` (B,), completion token ``t`` of every row."""
+        position = self.position + t
+        extra = {} if self.attention_mask is None else {"attention_mask": self.attention_mask[:, :self.prefix + t + 1]}
+        return vlm.model(input_ids=token[:, None], position_ids=position if len(position) == 3 else position[0],
+                         use_cache=True, **{cache_argument(base_class(vlm.model)): self.cache},
+                         **extra).logits[:, -1].float()
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep rows ``keep`` (k,) of the batch."""
+        self.position = self.position[:, keep]
+        self.attention_mask = None if self.attention_mask is None else self.attention_mask[keep]
+        self.cache.batch_select_indices(keep)
+
+
+class PackedSteps:
+    """Decoding with one cache row per prompt, holding ``[prompt; step-0 tokens of its G samples; step-1 tokens;
+    ...]``, so the prompt's keys and values are stored, and read at every step, once per group instead of G
+    times. Each step feeds the G tokens of each prompt as one (n,G) block at the same position, and a block mask
+    lets every token see its prompt (without the left padding) and its own sample's tokens only: each sample
+    attends to what it would with a cache row of its own. A group leaves the batch when all its samples have
+    ended (``block`` = G); until then its ended samples are fed padding that no other token sees."""
+
+    def __init__(self, cache, next_position: torch.Tensor, keep: torch.Tensor, group: int, capacity: int,
+                 dtype: torch.dtype):
+        """``next_position`` (lead,n,1): each prompt's first completion position; ``keep`` (n,P): 1 on the prompt's
+        own columns, 0 on its left padding; ``capacity``: cache columns (P + G * max_new_tokens); ``dtype``: the
+        model's, for the additive mask."""
+        self.cache, self.position, self.block = cache, next_position, group
+        self.prefix = keep.shape[1]
+        column = torch.arange(capacity, device=keep.device)
+        sample = torch.arange(group, device=keep.device)[:, None]
+        own = (column >= self.prefix) & ((column - self.prefix) % group == sample)  # (G,capacity)
+        visible = own.expand(len(keep), -1, -1).clone()
+        visible[..., :self.prefix] = keep.bool()[:, None]
+        self.bias = torch.zeros(visible.shape, dtype=dtype, device=keep.device).masked_fill_(
+            ~visible, torch.finfo(dtype).min)[:, None]  # (n,1,G,capacity)
+
+    def forward(self, vlm: VLMModel, token: torch.Tensor, t: int) -> torch.Tensor:
+        """Logits (n*G,V) fp32 after feeding ``token`` (n*G,), completion token ``t`` of every sample."""
+        prompts = self.position.shape[1]
+        position = (self.position + t).expand(-1, -1, self.block)
+        columns = self.prefix + self.block * (t + 1)
+        logits = vlm.model(input_ids=token.view(prompts, self.block),
+                           position_ids=position if len(position) == 3 else position[0],
+                           attention_mask=self.bias[..., :columns], use_cache=True,
+                           **{cache_argument(base_class(vlm.model)): self.cache}).logits
+        return logits.reshape(prompts * self.block, -1).float()
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep rows ``keep`` (k,) of the batch: whole groups, in order."""
+        prompts = keep[::self.block] // self.block
+        self.position, self.bias = self.position[:, prompts], self.bias[prompts]
+        self.cache.batch_select_indices(prompts)
+
+
+def prefill(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], rows: int, shared: bool,
+            max_new_tokens: int) -> tuple[torch.Tensor, RowSteps | PackedSteps]:
     """Prompt forward for ``rows`` samples of each of ``prompts`` (batch-1 inputs from ``VLMModel.prompt_inputs``).
 
-    ``shared``: the prompts, left-padded to the longest, run together once (vision tower included) and each KV
-    cache is repeated to its ``rows``. Otherwise one prompt runs on ``rows`` copies (the benchmark baseline).
-    Full-attention cache layers move into buffers with room for ``max_new_tokens``. Returns (next-token logits
-    (n*rows,V) fp32, cache, first completion positions (lead,n*rows,1), attention mask (n*rows,capacity) hiding
-    the left padding, or None when no prompt is padded); rows are grouped by prompt, in order."""
+    ``shared``: the prompts, left-padded to the longest, run together once (vision tower included), and each
+    cache serves its ``rows`` samples: packed into one row per prompt (:class:`PackedSteps`) where the model
+    takes a block mask, else repeated to the rows. Otherwise one prompt runs on ``rows`` copies (the benchmark
+    baseline). Full-attention cache layers move into buffers with room for the completions. Returns (next-token
+    logits (n*rows,V) fp32, decoding state); rows are grouped by prompt, in order."""
     if not shared and len(prompts) != 1:
         raise ValueError(f"an unshared prefill takes one prompt, got {len(prompts)}")
     model = vlm.model
@@ -175,30 +252,34 @@ def prefill(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], rows: int, sh
                 attention_mask=keep if padded else None, use_cache=True, logits_to_keep=1,
                 **vision_inputs(prompts * copies))
     cache = getattr(out, cache_argument(base_class(model)))
-    capacity = length + max_new_tokens
+    packed = shared and rows > 1 and takes_block_mask(vlm) and all(type(x) is DynamicLayer for x in cache.layers)
+    capacity = length + max_new_tokens * (rows if packed else 1)
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer:
-            prefixes = ([(layer.keys[j:j + 1], layer.values[j:j + 1], rows) for j in range(len(prompts))]
-                        if shared else [(layer.keys, layer.values, rows)])
+            if packed or not shared:
+                prefixes = [(layer.keys, layer.values, len(layer.keys))]
+            else:
+                prefixes = [(layer.keys[j:j + 1], layer.values[j:j + 1], rows) for j in range(len(prompts))]
             cache.layers[i] = BufferLayer.from_prefixes(prefixes, capacity)
         elif shared:
             layer.batch_repeat_interleave(rows)
-    repeat = rows if shared else 1
-    logits = out.logits[:, -1].float().repeat_interleave(repeat, dim=0)
+    logits = out.logits[:, -1].float().repeat_interleave(rows if shared else 1, dim=0)
+    next_position = positions[..., -1:] + 1
+    if packed:
+        return logits, PackedSteps(cache, next_position, keep, rows, capacity, next(model.parameters()).dtype)
     attention = None
     if padded:
         attention = torch.ones(len(logits), capacity, dtype=torch.long, device=logits.device)
         attention[:, :length] = keep.repeat_interleave(rows, dim=0)
-    return logits, cache, positions[..., -1:].repeat_interleave(rows, dim=1) + 1, attention
+    return logits, RowSteps(cache, next_position.repeat_interleave(rows, dim=1), attention)
 
 
 @torch.no_grad()
-def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tensor, cfg: VLMGenerationConfig,
-           generator: torch.Generator | None, attention_mask: torch.Tensor | None = None,
-           synced: Callable[[bool], bool] | None = None) -> Completions:
-    """Sample from the prefill ``logits`` (B,V) on, feeding each token back through ``cache`` at ``next_position``
-    (lead,1 or B,1) onwards; ``attention_mask`` (B,capacity) hides cache columns (left padding). Rows stop at EOS
-    or at ``cfg.max_new_tokens``, and finished rows leave the batch.
+def decode(vlm: VLMModel, logits: torch.Tensor, steps: RowSteps | PackedSteps, cfg: VLMGenerationConfig,
+           generator: torch.Generator | None, synced: Callable[[bool], bool] | None = None) -> Completions:
+    """Sample from the prefill ``logits`` (B,V) on, feeding each token back through ``steps``. Rows stop at EOS or
+    at ``cfg.max_new_tokens``; finished rows sample nothing more, and leave the batch in ``steps.block``-sized
+    blocks once the whole block has finished.
 
     ``synced`` (sharded parameters, where every forward gathers weights from all processes): called once per
     token with whether this process has rows left to decode, it returns whether any process has. Finished rows
@@ -216,13 +297,9 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
     finished = torch.zeros(group, dtype=torch.bool, device=device)
     alive = torch.arange(group, device=device)
     """The rows of the batch, as indices into the group."""
-    lead = next_position.shape[0]
-    position = next_position.expand(lead, group, 1)
-    prefix = cache.get_seq_length()
-    cache_name = cache_argument(base_class(vlm.model))
     for t in range(limit):
-        live = ~finished[alive]  # every row, unless synced decoding keeps finished ones in the batch
-        rows, live_logits = (alive, logits) if synced is None else (alive[live], logits[live])
+        live = ~finished[alive]
+        rows, live_logits = (alive, logits) if live.all() else (alive[live], logits[live])
         sampled = sample_tokens(live_logits, suppress, cfg, generator)
         tokens[rows, t] = sampled
         logps[rows, t] = gather_logprobs(live_logits, sampled, scoring_temperature(cfg))
@@ -231,20 +308,18 @@ def decode(vlm: VLMModel, logits: torch.Tensor, cache, next_position: torch.Tens
         token = torch.full_like(alive, vlm.pad_token_id).masked_scatter(live, sampled)  # finished rows: padding
         unfinished = ~finished[alive]
         if synced is None and not unfinished.all():
-            keep = unfinished.nonzero()[:, 0]
+            keep = unfinished.view(-1, steps.block).any(1).repeat_interleave(steps.block).nonzero()[:, 0]
             if len(keep) == 0:
                 break
-            alive, token, position = alive[keep], token[keep], position[:, keep]
-            attention_mask = None if attention_mask is None else attention_mask[keep]
-            cache.batch_select_indices(keep)
+            if len(keep) < len(alive):
+                alive, token = alive[keep], token[keep]
+                steps.select(keep)
         if t == limit - 1:
             break
         more = bool(unfinished.any())
         if not (more if synced is None else synced(more)):
             break
-        extra = {} if attention_mask is None else {"attention_mask": attention_mask[:, :prefix + t + 1]}
-        logits = vlm.model(input_ids=token[:, None], position_ids=position + t if lead == 3 else position[0] + t,
-                           use_cache=True, **{cache_name: cache}, **extra).logits[:, -1].float()
+        logits = steps.forward(vlm, token, t)
     width = int(lengths.max())
     mask = torch.arange(width, device=device) < lengths[:, None]
     ids = tokens[:, :width]
@@ -279,9 +354,8 @@ def generate_groups(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], group
     out = []
     with eval_mode(vlm.model):
         for start in range(0, len(prompts), per_call):
-            logits, cache, positions, attention = prefill(vlm, prompts[start:start + per_call], group_size, True,
-                                                          gen_cfg.max_new_tokens)
-            batch = decode(vlm, logits, cache, positions, gen_cfg, generator, attention, synced)
+            logits, steps = prefill(vlm, prompts[start:start + per_call], group_size, True, gen_cfg.max_new_tokens)
+            batch = decode(vlm, logits, steps, gen_cfg, generator, synced)
             out += [batch.rows(r, r + group_size) for r in range(0, len(batch.texts), group_size)]
     return out
 
@@ -298,5 +372,5 @@ def generate_group_naive(vlm: VLMModel, inputs: dict[str, torch.Tensor], group_s
                          gen_cfg: VLMGenerationConfig, generator: torch.Generator | None = None) -> Completions:
     """Baseline with the same sampling: the prompt repeated ``group_size`` times and prefilled on every copy."""
     with eval_mode(vlm.model):
-        logits, cache, positions, _ = prefill(vlm, [inputs], group_size, False, gen_cfg.max_new_tokens)
-        return decode(vlm, logits, cache, positions, gen_cfg, generator)
+        logits, steps = prefill(vlm, [inputs], group_size, False, gen_cfg.max_new_tokens)
+        return decode(vlm, logits, steps, gen_cfg, generator)

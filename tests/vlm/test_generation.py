@@ -9,8 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmgrpo.pipelines.vlm import generation
 from mmgrpo.pipelines.vlm.config import VLMGenerationConfig, VLMModelConfig
 from mmgrpo.pipelines.vlm.generation import (
+    PackedSteps,
+    RowSteps,
     full_attention_only,
     generate_group,
     generate_group_naive,
@@ -91,14 +94,21 @@ def test_sampling_is_reproducible_with_a_seeded_generator(vlm, video_prompt):
 
 
 def test_shared_prefill_equals_per_row_prefill(vlm, video_prompt):
+    """The group's prompt runs once and its keys and values are stored once (one packed cache row, with room for
+    the 4 samples' tokens), and they equal what 4 prefilled copies hold: the same next-token logits, positions
+    and samples."""
+    prompt_length = video_prompt["input_ids"].shape[1]
     with torch.no_grad():
-        shared, shared_cache, shared_next, _ = prefill(vlm, [video_prompt], 4, True, 8)
-        naive, naive_cache, naive_next, _ = prefill(vlm, [video_prompt], 4, False, 8)
-    assert torch.equal(shared_next, naive_next)
+        shared, packed = prefill(vlm, [video_prompt], 4, True, 8)
+        naive, rows = prefill(vlm, [video_prompt], 4, False, 8)
+    assert isinstance(packed, PackedSteps) and isinstance(rows, RowSteps)
+    assert torch.equal(packed.position.expand_as(rows.position), rows.position)
     diff = (shared.log_softmax(-1) - naive.log_softmax(-1)).abs().max()
     assert diff < 1e-5
-    for a, b in zip(shared_cache.layers, naive_cache.layers):
-        assert a.keys.shape == b.keys.shape and (a.keys - b.keys).abs().max() < 1e-5
+    for a, b in zip(packed.cache.layers, rows.cache.layers):
+        assert a.key_buffer.shape[:3] == (1, b.keys.shape[1], prompt_length + 4 * 8)
+        assert b.key_buffer.shape[:3] == (4, b.keys.shape[1], prompt_length + 8)
+        assert (a.keys - b.keys).abs().max() < 1e-5 and (a.values - b.values).abs().max() < 1e-5
     cfg = VLMGenerationConfig(max_new_tokens=16)
     a = generate_group(vlm, video_prompt, 4, cfg, seeded(2))
     b = generate_group_naive(vlm, video_prompt, 4, cfg, seeded(2))
@@ -184,8 +194,9 @@ def test_sliding_window_layers_prefill_one_prompt_at_a_time(tmp_path):
               sliding.prompt_inputs("Count to three, slowly.", [], [], [])]
     assert inputs[0]["input_ids"].shape[1] != inputs[1]["input_ids"].shape[1]
     with torch.no_grad():
-        _, cache, _, _ = prefill(sliding, inputs[:1], 2, True, 4)
-    assert {type(layer).__name__ for layer in cache.layers} == {"BufferLayer", "DynamicSlidingWindowLayer"}
+        _, steps = prefill(sliding, inputs[:1], 2, True, 4)
+    assert isinstance(steps, RowSteps)  # a packed cache row would break the window: the cache is repeated per row
+    assert {type(layer).__name__ for layer in steps.cache.layers} == {"BufferLayer", "DynamicSlidingWindowLayer"}
     with pytest.raises(ValueError, match="sliding-window"), torch.no_grad():
         prefill(sliding, inputs, 2, True, 4)
     greedy = VLMGenerationConfig(max_new_tokens=6, temperature=0.0, batch_rows=8)
@@ -236,6 +247,40 @@ def test_synced_decoding_runs_every_forward_and_samples_the_same():
                 assert torch.equal(a.truncated, b.truncated) and (a.logprobs - b.logprobs).abs().max() < 1e-5
     finally:
         hook.remove()
+
+
+def test_packed_groups_sample_what_rows_of_their_own_sample(prompts, monkeypatch):
+    """Rows that end at different steps: in a packed group an ended sample stays in its block, fed padding, until
+    the whole group ends. The samples (seeded, temperature 1) of several left-padded prompts decoded together
+    equal those of one cache row per sample, and a group leaves the batch only once all its samples ended. On
+    the shipped tiny Qwen2-VL, whose answers end long before the token limit."""
+    vlm = VLMModel(VLMModelConfig(path=str(ROOT / "assets" / "tiny-qwen2vl-shapes")))
+    image = torch.randint(0, 256, (3, 56, 56), dtype=torch.uint8, generator=seeded(0))
+    video = torch.randint(0, 256, (4, 3, 56, 56), dtype=torch.uint8, generator=seeded(1))
+    inputs = [vlm.prompt_inputs("How many shapes are in the image?", [image], [], []),
+              vlm.prompt_inputs("Which way does the shape move?", [], [video], [2.0]),
+              vlm.prompt_inputs("What colour is the square?", [image], [], [])]
+    cfg = VLMGenerationConfig(max_new_tokens=24, temperature=1.5, batch_rows=24)
+    forwards = []
+    hook = vlm.model.register_forward_pre_hook(lambda _, args, kwargs: forwards.append(kwargs["input_ids"].shape),
+                                               with_kwargs=True)
+    try:
+        packed = generate_groups(vlm, inputs, 8, cfg, seeded(3))
+        packed_forwards = list(forwards)
+        monkeypatch.setattr(generation, "takes_block_mask", lambda _: False)
+        forwards.clear()
+        rows = generate_groups(vlm, inputs, 8, cfg, seeded(3))
+    finally:
+        hook.remove()
+    lengths = torch.cat([out.mask.sum(1) for out in packed])
+    assert len(set(lengths.tolist())) > 2 and not torch.cat([out.truncated for out in packed]).all()
+    for a, b in zip(packed, rows):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask) and a.texts == b.texts
+        assert torch.equal(a.truncated, b.truncated) and (a.logprobs - b.logprobs).abs().max() < 1e-5
+    assert all(shape[1] == 8 for shape in packed_forwards[1:])  # every step feeds whole groups of 8 tokens
+    ended = [int(out.mask.sum(1).max()) for out in packed]  # the step each group's last sample ended at
+    assert [shape[0] for shape in packed_forwards[1:]] == [sum(t < n for n in ended) for t in range(1, max(ended))]
+    assert all(shape[1] == 1 for shape in forwards[1:])  # one token per row
 
 
 def test_sampling_with_fsdp2_sharded_weights_on_two_processes(launch_two_processes):

@@ -182,3 +182,13 @@ def test_bench_cell_runs_and_agrees(monkeypatch):
     cell = bench.train_cell(vlm, bench.bench_prompt(vlm, 256), 4)
     assert cell["max_abs_logprob_diff"] <= TOL and cell["max_abs_grad_diff"] <= TOL
     assert cell["act_mem_ratio"] > 1.5  # the prompt's activations are held once, not 4 times
+
+
+def test_bench_rollout_cell_stores_the_prompt_cache_once(monkeypatch):
+    """Shared: one cache row of P + G*T columns; naive: G rows of P + T each."""
+    monkeypatch.setattr(bench, "REPEATS", 1)
+    monkeypatch.setattr(bench, "COMPLETION", 8)
+    vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl"))
+    cell = bench.rollout_cell(vlm, bench.bench_prompt(vlm, 256), 4)
+    assert cell["kv_mem_ratio"] == pytest.approx(4 * (256 + 8) / (256 + 4 * 8))
+    assert cell["shared_s"] > 0 and cell["naive_s"] > 0

@@ -11,7 +11,7 @@ import torch
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.data import VLMSample
-from mmgrpo.pipelines.vlm.generation import base_class, cache_argument, prefill
+from mmgrpo.pipelines.vlm.generation import prefill
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel, unwrap
 from mmgrpo.pipelines.vlm.vision_calls import VisionCallBalancer, calls_to_balance, dummy_vision_input
@@ -93,11 +93,9 @@ def test_decoding_steps_are_not_topped_up(vlm, tower_calls):
     balancer = VisionCallBalancer(vlm.model, calls=2)
     try:
         with torch.no_grad():
-            logits, cache, position, _ = prefill(vlm, [inputs], rows=2, shared=True, max_new_tokens=4)
+            logits, steps = prefill(vlm, [inputs], rows=2, shared=True, max_new_tokens=4)
             assert len(tower_calls) == 2  # the video, then one dummy
-            token = logits.argmax(-1)
-            vlm.model(input_ids=token[:, None], position_ids=position.expand(-1, 2, -1), use_cache=True,
-                      **{cache_argument(base_class(vlm.model)): cache})
+            steps.forward(vlm, logits.argmax(-1), 0)
     finally:
         balancer.remove()
     assert len(tower_calls) == 2
