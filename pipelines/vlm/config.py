@@ -154,8 +154,10 @@ class VLMGenerationConfig:
     batch_rows: int = ranged(0, low=0)
     """Decode the groups of several prompts together, up to this many rows (a group is never split; evaluation
     groups are one row); 0 decodes one prompt's group at a time. It cuts the model calls per token, a large
-    speed-up where a call costs more than its rows (small models, CPU). Every row holds its prompt's KV cache,
-    left-padded to the longest prompt of the batch, so memory grows with rows x the longest prompt."""
+    speed-up where a call costs more than its rows (small models, CPU). Each group holds one copy of its prompt's
+    KV cache, left-padded to the longest prompt of the batch, plus its samples' tokens, so memory grows with
+    prompts x (the longest prompt + G x ``max_new_tokens``) (rows x (the longest prompt + ``max_new_tokens``)
+    for models that repeat the cache per row: sliding-window layers, flash_attention_2)."""
     gather_sharded_weights: bool = True
     """Under FSDP2, gather the whole weights once per rollout (and evaluation) and keep them through every token's
     forward (``pipelines/vlm/whole_weights.py``), instead of gathering each module's shards at every forward: one
