@@ -1,8 +1,9 @@
 """The vision-language model adapter: loading (tiny, local folder or hub id), LoRA / full fine-tuning, prompt
 encoding through the real processor, the KL reference, and checkpoints.
 
-Any ``AutoModelForImageTextToText`` with the Qwen2-VL processor contract works (Qwen2-VL, Qwen2.5-VL); the tiny
-models (``tiny:qwen2_vl``, ``tiny:qwen2_5_vl``) are loaded through exactly the same ``from_pretrained`` path.
+Any ``AutoModelForImageTextToText`` with the Qwen2-VL processor contract works (Qwen2-VL, Qwen2.5-VL, Qwen3-VL);
+the tiny models (``tiny:qwen2_vl``, ``tiny:qwen2_5_vl``, ``tiny:qwen3_vl``) are loaded through exactly the same
+``from_pretrained`` path.
 """
 
 from __future__ import annotations
@@ -90,6 +91,15 @@ def load_error(name: str, path: str, local: bool, err: Exception) -> ConfigError
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     hint = "" if local else hub_id_hint(name)
     return ConfigError(f"model.path: cannot load '{name}' from {where}{hint}: {reason}{checkpoint_hint(path)}")
+
+
+def video_metadata(frames: int, fps: float) -> dict:
+    """The processor's metadata for a clip whose ``frames`` were already sampled at ``fps``, shared by the
+    transformers path and the vLLM requests so both build the same prompt. Qwen2.5-VL reads the fps
+    (``second_per_grid_ts``); Qwen3-VL writes each temporal patch's time into the prompt (``<0.2 seconds>``),
+    ``frames_indices / fps``: seconds from the first sampled frame."""
+    return {"total_num_frames": frames, "fps": float(fps), "frames_indices": list(range(frames)),
+            "duration": frames / float(fps)}
 
 
 def pick_attention(name: str) -> str:
@@ -215,15 +225,22 @@ class VLMModel:
     def is_lora(self) -> bool:
         return self.cfg.lora_rank > 0
 
+    @property
+    def size_factor(self) -> int:
+        """Pixels per side of one merged vision token: the image processor's patch size times its merge size (28
+        for Qwen2-VL and Qwen2.5-VL, 32 for Qwen3-VL); ``video.size_factor`` must equal it."""
+        image = self.processor.image_processor
+        return image.patch_size * image.merge_size
+
     def prompt_inputs(self, text: str, images: list[torch.Tensor], videos: list[torch.Tensor],
                       video_fps: list[float] | None = None) -> dict[str, torch.Tensor]:
         """Chat-template one user turn plus the assistant prompt, and run the processor at the given sizes (each side
-        only rounded to the patch grid, 28 px for Qwen2-VL). The turn is ``text`` with the media at its
+        only rounded to the patch grid, 28 px for Qwen2-VL and Qwen2.5-VL, 32 px for Qwen3-VL). The turn is ``text`` with the media at its
         ``<image>``/``<video>`` markers, or the images, then the videos, then ``text`` when it has none
         (:func:`~mmgrpo.pipelines.vlm.data.chat_content`, which raises ValueError for markers that do not match).
 
         ``images``: (3,H,W) uint8; ``videos``: (T,3,H,W) uint8, frames already sampled at ``video_fps`` (default
-        2.0 each). Returns batch-1 tensors on ``device``: ``input_ids`` (1,P) int64, ``attention_mask`` (1,P),
+        2.0 each; :func:`video_metadata`). Returns batch-1 tensors on ``device``: ``input_ids`` (1,P) int64, ``attention_mask`` (1,P),
         ``mm_token_type_ids`` (1,P), and ``pixel_values`` (N,C*2*14*14) fp32 + ``image_grid_thw`` (n_img,3) and/or
         ``pixel_values_videos`` + ``video_grid_thw`` (n_vid,3) (+ ``second_per_grid_ts`` (n_vid,) on Qwen2.5-VL).
         """
@@ -246,18 +263,23 @@ class VLMModel:
             fps = video_fps or [2.0] * len(videos)
             kwargs["videos"] = [video.cpu() for video in videos]
             kwargs["videos_kwargs"] = {
-                "size": self._keep_size([v.shape[-2:] for v in videos], self.processor.video_processor),
+                "size": self._keep_size([v.shape[-2:] for v in videos], self.processor.video_processor,
+                                        max(v.shape[0] for v in videos)),
                 "do_sample_frames": False, "cap_pixels_per_frame": False,
-                "video_metadata": [{"total_num_frames": v.shape[0], "fps": float(f)} for v, f in zip(videos, fps)]}
+                "video_metadata": [video_metadata(v.shape[0], f) for v, f in zip(videos, fps)]}
         out = self.processor(text=[chat], return_tensors="pt", **kwargs)
         return {k: torch.as_tensor(v).to(self.device) for k, v in out.items()}
 
     @staticmethod
-    def _keep_size(sizes: list[torch.Size], processor) -> dict[str, int]:
-        """A processor ``size`` (pixel-count bounds) under which every given (H,W) is only rounded to the grid."""
+    def _keep_size(sizes: list[torch.Size], processor, frames: int = 1) -> dict[str, int]:
+        """A processor ``size`` (pixel-count bounds) under which every given (H,W) is only rounded to the grid.
+        ``frames``: the most frames of a video; the upper bound covers them too, since Qwen3-VL's video processor
+        bounds a clip's frames x pixels where Qwen2-VL's bounds each frame's pixels (a larger bound changes nothing
+        for the latter)."""
         factor = processor.patch_size * processor.merge_size
         areas = [max(factor, round(h / factor) * factor) * max(factor, round(w / factor) * factor) for h, w in sizes]
-        return {"shortest_edge": min(areas), "longest_edge": max(areas)}
+        step = getattr(processor, "temporal_patch_size", 1) if frames > 1 else 1
+        return {"shortest_edge": min(areas), "longest_edge": max(areas) * (frames + -frames % step)}
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[nn.Module]:

@@ -165,6 +165,10 @@ class VLMPolicy(Policy):
         self.train_items, self.held_items = self._read_datasets()  # bad data fails before any weights load
         keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
         self.vlm = VLMModel(cfg.model, PartialState().device, keep_reference=keep_reference)
+        if cfg.video.size_factor != self.vlm.size_factor:
+            raise ConfigError(f"video.size_factor: {cfg.video.size_factor} px does not match {cfg.model.path}, whose "
+                              f"vision tokens cover {self.vlm.size_factor} px (patch x merge): set "
+                              f"video.size_factor={self.vlm.size_factor}")
         self.model = self.vlm.model
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.care_reference = EMA(trainable, cfg.care.ema_decay, "cpu" if cfg.care.offload else None) \

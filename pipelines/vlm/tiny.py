@@ -1,9 +1,10 @@
-"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints in the real on-disk format, built offline.
+"""Tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints in the real on-disk format, built offline.
 
 ``build_tiny_vlm`` writes a folder that ``AutoModelForImageTextToText.from_pretrained`` and
 ``AutoProcessor.from_pretrained`` load like a hub checkpoint: config + safetensors weights, a byte-level
 ``Qwen2Tokenizer`` (256 byte symbols, the Qwen special tokens and chat template; by default no merges), and the real
-Qwen2-VL image and video processors. ``tiny_path`` builds it once into a cache folder.
+Qwen2-VL image and video processors (Qwen3-VL: its own video processor, which writes frame times into the
+prompt). ``tiny_path`` builds it once into a cache folder.
 
 Given a ``corpus``, the tokenizer also gets byte-pair merges learned on it (every word of the corpus becomes one
 token, any other text still encodes byte by byte) and ``tags`` (e.g. ``<think>``) become single added tokens that
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("qwen2_vl", "qwen2_5_vl")
+KINDS = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 VERSION = "v1"
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -115,15 +116,21 @@ def build_tokenizer(corpus: Iterable[str] = (), tags: Sequence[str] = ()):
 
 def tiny_config(kind: str, token_ids: dict[str, int], vocab_size: int, hidden_size: int, num_layers: int,
                 vision_depth: int = 2, vision_width: int = 32, patch_size: int = 14):
-    """Config of a language model with 4 query / 2 key-value heads (M-RoPE sections split head_dim/2 as 1:1.5:1.5
-    like the real 16:24:24) and a ``vision_depth``-layer, ``vision_width``-wide vision tower (2 heads) on
-    ``patch_size``-pixel patches whose merger outputs ``hidden_size``."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    """Config of a language model with 4 query / 2 key-value heads and a ``vision_depth``-layer,
+    ``vision_width``-wide vision tower (2 heads) on ``patch_size``-pixel patches whose merger outputs
+    ``hidden_size``. M-RoPE splits head_dim/2 into temporal, height and width sections like the real models:
+    contiguous 1:1.5:1.5 (16:24:24) for Qwen2-VL and Qwen2.5-VL, interleaved 2:1:1 (24:20:20) for Qwen3-VL, whose
+    tower also feeds its first layer's features to the language model (DeepStack)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
     half = hidden_size // 8  # head_dim / 2 with 4 heads
-    temporal = half // 4
-    height = (half - temporal) // 2
-    sections = [temporal, height, half - temporal - height]
+    if kind == "qwen3_vl":
+        height = half // 4
+        sections = [half - 2 * height, height, height]
+    else:
+        temporal = half // 4
+        height = (half - temporal) // 2
+        sections = [temporal, height, half - temporal - height]
     text = {"vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
             "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
             "max_position_embeddings": 32768,
@@ -136,6 +143,12 @@ def tiny_config(kind: str, token_ids: dict[str, int], vocab_size: int, hidden_si
         vision = {"depth": vision_depth, "embed_dim": vision_width, "hidden_size": hidden_size, "num_heads": 2,
                   "mlp_ratio": 2, "patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2}
         return Qwen2VLConfig(text_config=text, vision_config=vision, **ids)
+    if kind == "qwen3_vl":
+        text.update(head_dim=hidden_size // 4, rope_parameters={**text["rope_parameters"], "mrope_interleaved": True})
+        vision = {"depth": vision_depth, "hidden_size": vision_width, "intermediate_size": 2 * vision_width,
+                  "num_heads": 2, "out_hidden_size": hidden_size, "patch_size": patch_size, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]}
+        return Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
     vision = {"depth": vision_depth, "hidden_size": vision_width, "intermediate_size": 2 * vision_width, "num_heads": 2,
               "out_hidden_size": hidden_size, "patch_size": patch_size, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "window_size": 56, "fullatt_block_indexes": [vision_depth - 1], "tokens_per_second": 2}
@@ -143,14 +156,15 @@ def tiny_config(kind: str, token_ids: dict[str, int], vocab_size: int, hidden_si
 
 
 def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hidden_size: int = 64,
-                   num_layers: int = 2, vision_depth: int = 2, vision_width: int = 32, patch_size: int = 14,
+                   num_layers: int = 2, vision_depth: int = 2, vision_width: int = 32, patch_size: int | None = None,
                    corpus: Iterable[str] = (),
                    tags: Sequence[str] = (), pixel_mean: Sequence[float] | None = None,
                    pixel_std: Sequence[float] | None = None) -> Path:
-    """Write a tiny random ``kind`` ("qwen2_vl" or "qwen2_5_vl") checkpoint + processor to ``directory``.
+    """Write a tiny random ``kind`` (one of :data:`KINDS`) checkpoint + processor to ``directory``.
     ``hidden_size`` (a multiple of 64) and ``num_layers`` size the language model (the benchmark uses wider),
-    ``vision_depth``, ``vision_width`` and ``patch_size`` (pixels; 2x2 patches merge into one token, so set the
-    pipeline's ``video.size_factor`` to twice it) the vision tower;
+    ``vision_depth``, ``vision_width`` and ``patch_size`` (pixels, by default the real model's: 14, 16 for
+    Qwen3-VL; 2x2 patches merge into one token, so set the pipeline's ``video.size_factor`` to twice it) the
+    vision tower;
     ``corpus`` and ``tags`` go to :func:`build_tokenizer`; ``pixel_mean`` / ``pixel_std`` (per RGB channel, pixels
     in 0..1) replace the processors' default CLIP normalisation."""
     from transformers import (
@@ -159,6 +173,8 @@ def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hi
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
         Qwen2VLVideoProcessor,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
     )
 
     if kind not in KINDS:
@@ -166,6 +182,7 @@ def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hi
     if hidden_size % 64:
         raise ValueError(f"hidden_size must be a multiple of 64, got {hidden_size}")
     directory = Path(directory)
+    patch_size = patch_size or (16 if kind == "qwen3_vl" else 14)
     tokenizer = build_tokenizer(corpus, tags)
     token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     vocab_size = -(-len(tokenizer) // 16) * 16  # padded like the real checkpoints; rows past the tokenizer unused
@@ -178,9 +195,11 @@ def build_tiny_vlm(kind: str, directory: str | os.PathLike, seed: int = 0, *, hi
     norm = {"image_mean": list(pixel_mean), "image_std": list(pixel_std)} if pixel_mean and pixel_std else {}
     image_processor = Qwen2VLImageProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 256 * 28 * 28},
                                             patch_size=patch_size, **norm)
-    video_processor = Qwen2VLVideoProcessor(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 128 * 28 * 28},
-                                            patch_size=patch_size, **norm)
-    processor_cls = Qwen2VLProcessor if kind == "qwen2_vl" else Qwen2_5_VLProcessor
+    video_cls = Qwen3VLVideoProcessor if kind == "qwen3_vl" else Qwen2VLVideoProcessor
+    video_processor = video_cls(size={"shortest_edge": 4 * 28 * 28, "longest_edge": 128 * 28 * 28},
+                                patch_size=patch_size, **norm)
+    processor_cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor,
+                     "qwen3_vl": Qwen3VLProcessor}[kind]
     processor = processor_cls(image_processor=image_processor, tokenizer=tokenizer,
                               video_processor=video_processor, chat_template=CHAT_TEMPLATE)
     model.save_pretrained(directory)

@@ -58,7 +58,7 @@ from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.vlm.config import VLMConfig, VLMGenerationConfig, VLMVideoConfig
 from mmgrpo.pipelines.vlm.data import chat_content
 from mmgrpo.pipelines.vlm.generation import Completions, scoring_temperature
-from mmgrpo.pipelines.vlm.model import VLMModel, strip_parallel, unwrap
+from mmgrpo.pipelines.vlm.model import VLMModel, strip_parallel, unwrap, video_metadata
 from mmgrpo.pipelines.vlm.video import PIXEL_UNIT, shuffle_frames
 from mmgrpo.rewards import RewardBatch
 
@@ -118,13 +118,6 @@ def to_frames(video: torch.Tensor) -> np.ndarray:
     if video.dtype != torch.uint8 or video.ndim != 4 or video.shape[1] != 3:
         raise ValueError(f"expected a (T,3,H,W) uint8 video, got {tuple(video.shape)} {video.dtype}")
     return np.ascontiguousarray(video.permute(0, 2, 3, 1).cpu().numpy())
-
-
-def video_metadata(frames: int, fps: float) -> dict[str, Any]:
-    """Metadata of a clip whose ``frames`` were already sampled at ``fps``: the same ``total_num_frames`` / ``fps``
-    the transformers path passes (``VLMModel.prompt_inputs``), plus the frame indices and duration."""
-    return {"total_num_frames": frames, "fps": float(fps), "frames_indices": list(range(frames)),
-            "duration": frames / float(fps)}
 
 
 def chat_text(processor: Any, prompt: str, n_images: int, n_videos: int) -> str:

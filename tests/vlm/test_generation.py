@@ -23,7 +23,7 @@ from mmgrpo.pipelines.vlm.generation import (
 )
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel
-from mmgrpo.pipelines.vlm.tiny import build_tiny_vlm
+from mmgrpo.pipelines.vlm.tiny import KINDS, build_tiny_vlm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=KINDS)
 def vlm(request):
     return VLMModel(VLMModelConfig(path=f"tiny:{request.param}"))
 
@@ -249,7 +249,7 @@ def test_synced_decoding_runs_every_forward_and_samples_the_same():
         hook.remove()
 
 
-def test_packed_groups_sample_what_rows_of_their_own_sample(prompts, monkeypatch):
+def test_packed_groups_sample_what_rows_of_their_own_sample(monkeypatch):
     """Rows that end at different steps: in a packed group an ended sample stays in its block, fed padding, until
     the whole group ends. The samples (seeded, temperature 1) of several left-padded prompts decoded together
     equal those of one cache row per sample, and a group leaves the batch only once all its samples ended. On

@@ -10,6 +10,7 @@ from mmgrpo.pipelines.vlm import bench, logprobs
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.tiny import KINDS
 
 TOL = 1e-5
 
@@ -44,7 +45,7 @@ def logprobs_and_grads(vlm, prompts, ids, mask, index, grouper: bool):
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=KINDS)
 def vlm(request):
     return VLMModel(VLMModelConfig(path=f"tiny:{request.param}", freeze_vision=False))
 

@@ -10,11 +10,8 @@ import torch
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.model import VLMModel
-from mmgrpo.pipelines.vlm.tiny import SPECIAL_TOKENS, build_tiny_vlm, tiny_path
+from mmgrpo.pipelines.vlm.tiny import KINDS, SPECIAL_TOKENS, build_tiny_vlm, tiny_path
 from mmgrpo.registry import MODEL_ADAPTERS
-
-KINDS = ["qwen2_vl", "qwen2_5_vl"]
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,11 +37,15 @@ def test_tiny_builds_and_loads_offline(kind, tmp_path, monkeypatch):
     folder = build_tiny_vlm(kind, tmp_path / kind)
     model = AutoModelForImageTextToText.from_pretrained(folder)
     processor = AutoProcessor.from_pretrained(folder)
-    expected = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    expected = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "qwen3_vl": "Qwen3VLForConditionalGeneration"}
     assert type(model).__name__ == expected[kind]
     assert type(processor.tokenizer).__name__ == "Qwen2Tokenizer"
     assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
-    assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
+    video_processor = "Qwen3VLVideoProcessor" if kind == "qwen3_vl" else "Qwen2VLVideoProcessor"
+    assert type(processor.video_processor).__name__ == video_processor
+    assert processor.image_processor.patch_size == processor.video_processor.patch_size == (
+        16 if kind == "qwen3_vl" else 14)  # the real models' patches
     assert (folder / "model.safetensors").is_file()
     tok = processor.tokenizer
     text = "<think>2+2 ≈ 4, 日本</think><answer>4</answer>"
@@ -56,6 +57,9 @@ def test_tiny_builds_and_loads_offline(kind, tmp_path, monkeypatch):
     assert model.config.image_token_id == tok.convert_tokens_to_ids("<|image_pad|>")
     head_dim = model.config.text_config.hidden_size // model.config.text_config.num_attention_heads
     assert sum(model.config.text_config.rope_parameters["mrope_section"]) * 2 == head_dim
+    if kind == "qwen3_vl":
+        assert model.config.text_config.rope_parameters["mrope_interleaved"]
+        assert model.config.vision_config.deepstack_visual_indexes == [0]
 
 
 def test_tiny_path_builds_once_into_the_cache(tmp_path, monkeypatch):
@@ -140,17 +144,22 @@ def test_prompt_inputs_video_and_fps(vlm):
     assert inputs["pixel_values_videos"].shape[0] == 32
     pads = int((inputs["input_ids"] == vlm.tokenizer.convert_tokens_to_ids("<|video_pad|>")).sum())
     assert pads == 8
-    if "second_per_grid_ts" in inputs:  # Qwen2.5-VL: 2 frames per temporal patch at 4 fps
+    kind = type(vlm.model).__name__
+    if kind.startswith("Qwen2_5"):  # 2 frames per temporal patch at 4 fps
         assert inputs["second_per_grid_ts"].tolist() == [0.5]
+    text = vlm.tokenizer.decode(inputs["input_ids"][0])
+    if kind.startswith("Qwen3"):  # each temporal patch's time in the prompt: frames at 0, 0.25 | 0.5, 0.75 s
+        assert "<0.1 seconds><|vision_start|>" + "<|video_pad|>" * 4 in text and "<0.6 seconds>" in text
     else:
-        assert type(vlm.model).__name__.startswith("Qwen2VL")
+        assert "seconds>" not in text
 
 
 def test_prompt_inputs_several_images_and_a_video(vlm):
     inputs = vlm.prompt_inputs("Compare.", [image(28, 56), image(84, 28, 1)], [video(2, 28, 28)])
     assert inputs["image_grid_thw"].tolist() == [[1, 2, 4], [1, 6, 2]]
     assert inputs["video_grid_thw"].tolist() == [[1, 2, 2]]
-    assert int((inputs["input_ids"] == vlm.tokenizer.convert_tokens_to_ids("<|vision_start|>")).sum()) == 3
+    starts = int((inputs["input_ids"] == vlm.tokenizer.convert_tokens_to_ids("<|vision_start|>")).sum())
+    assert starts == 3 + type(vlm.model).__name__.startswith("Qwen3")  # Qwen3-VL: one more per temporal patch
     with torch.no_grad():  # placeholders and features agree: the forward runs
         vlm.model(**inputs)
 
@@ -163,7 +172,10 @@ def test_prompt_inputs_put_the_media_at_the_markers(vlm):
     assert inputs["image_grid_thw"].tolist() == [[1, 2, 4], [1, 6, 2]]
 
     def block(pad: str, n: int) -> str:
-        return "<|vision_start|>" + pad * n + "<|vision_end|>"
+        inner = pad * n
+        if pad == "<|video_pad|>" and type(vlm.model).__name__.startswith("Qwen3"):  # a timed block per patch
+            inner = "<0.2 seconds><|vision_start|>" + inner + "<|vision_end|>"
+        return "<|vision_start|>" + inner + "<|vision_end|>"
 
     text = vlm.tokenizer.decode(inputs["input_ids"][0])
     turn = (f"<|im_start|>user\nCompare {block('<|image_pad|>', 2)} with {block('<|image_pad|>', 3)}, then"

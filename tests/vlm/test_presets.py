@@ -49,6 +49,21 @@ def test_tiny_preset_trains_on_policy(tmp_path, preset, extra_keys):
     assert (out / "checkpoints" / "step-2" / "policy").is_dir()
 
 
+def test_qwen3_vl_trains_the_video_preset_on_policy(tmp_path):
+    """A Qwen3-VL (16-px patches, interleaved M-RoPE, DeepStack, frame times written into the prompt) trains
+    the T-GRPO video preset through the CLI, with ``video.size_factor`` set to its 32 px."""
+    out = tmp_path / "qwen3"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "mmgrpo", "train", "configs/vlm/tiny_video_tgrpo.yaml",
+                           "model.path=tiny:qwen3_vl", "video.size_factor=32", "train.max_steps=1",
+                           f"output_dir={out}", "logging.progress=false"],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["ratio/onpolicy_max_dev"] <= 1e-5 and first["logp/rollout_vs_recompute_max_dev"] <= 1e-4
+    assert first["tgrpo/video_groups"] == 4 and first["tokens/vision"] > 0 and first["data/skipped_media"] == 0
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
 def test_every_preset_loads_and_checks(preset):
     cfg = load_config(preset)

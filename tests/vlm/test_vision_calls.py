@@ -14,6 +14,7 @@ from mmgrpo.pipelines.vlm.data import VLMSample
 from mmgrpo.pipelines.vlm.generation import prefill
 from mmgrpo.pipelines.vlm.logprobs import token_logprobs
 from mmgrpo.pipelines.vlm.model import VLMModel, unwrap
+from mmgrpo.pipelines.vlm.tiny import KINDS
 from mmgrpo.pipelines.vlm.vision_calls import VisionCallBalancer, calls_to_balance, dummy_vision_input
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,7 +23,7 @@ IMAGE = torch.zeros(3, 8, 8, dtype=torch.uint8)
 VIDEO = torch.zeros(2, 3, 8, 8, dtype=torch.uint8)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=KINDS)
 def vlm(request):
     return VLMModel(VLMModelConfig(path=f"tiny:{request.param}", freeze_vision=False))
 

@@ -23,6 +23,7 @@ from mmgrpo.pipelines.vlm.config import VLMGenerationConfig, VLMModelConfig, VLM
 from mmgrpo.pipelines.vlm.generation import generate_group, generate_groups
 from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.pipelines.vlm.policy import VLMPolicy, check_config
+from mmgrpo.pipelines.vlm.tiny import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ["data.prompt_template='{question}{options}'", "generation.max_new_tokens=6", "train.group_size=3",
@@ -32,7 +33,7 @@ SHORT = ["data.prompt_template='{question}{options}'", "generation.max_new_token
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=KINDS)
 def vlm(request):
     return VLMModel(VLMModelConfig(path=f"tiny:{request.param}"))
 
@@ -59,6 +60,9 @@ def test_request_is_the_training_prompt_with_unexpanded_placeholders(vlm, prompt
     fed = vlm.tokenizer.decode(inputs["input_ids"][0], skip_special_tokens=False)
     for pad in ("<|image_pad|>", "<|video_pad|>"):
         fed = re.sub(f"({re.escape(pad)})+", pad, fed)
+    timed = re.escape("<|vision_start|><|video_pad|><|vision_end|>")  # Qwen3-VL: one timed block per patch
+    fed = re.sub(rf"<\|vision_start\|>(<[0-9.]+ seconds>{timed})+<\|vision_end\|>",
+                 "<|vision_start|><|video_pad|><|vision_end|>", fed)
     assert request["prompt"] == fed
     assert request["prompt"].count("<|image_pad|>") == 1 and request["prompt"].count("<|video_pad|>") == 1
     pil, = request["multi_modal_data"]["image"]
