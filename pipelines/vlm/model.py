@@ -97,8 +97,10 @@ def video_metadata(frames: int, fps: float) -> dict:
     """The processor's metadata for a clip whose ``frames`` were already sampled at ``fps``, shared by the
     transformers path and the vLLM requests so both build the same prompt. Qwen2.5-VL reads the fps
     (``second_per_grid_ts``); Qwen3-VL writes each temporal patch's time into the prompt (``<0.2 seconds>``),
-    ``frames_indices / fps``: seconds from the first sampled frame."""
-    return {"total_num_frames": frames, "fps": float(fps), "frames_indices": list(range(frames)),
+    ``frames_indices / fps``. The indices are ``i + 0.5``: :func:`~mmgrpo.pipelines.vlm.video.sample_indices`
+    takes frame i from the centre of the i-th of ``frames`` equal segments, so it shows second ``(i + 0.5) / fps``
+    of the clip (to within one native frame)."""
+    return {"total_num_frames": frames, "fps": float(fps), "frames_indices": [i + 0.5 for i in range(frames)],
             "duration": frames / float(fps)}
 
 

@@ -148,8 +148,8 @@ def test_prompt_inputs_video_and_fps(vlm):
     if kind.startswith("Qwen2_5"):  # 2 frames per temporal patch at 4 fps
         assert inputs["second_per_grid_ts"].tolist() == [0.5]
     text = vlm.tokenizer.decode(inputs["input_ids"][0])
-    if kind.startswith("Qwen3"):  # each temporal patch's time in the prompt: frames at 0, 0.25 | 0.5, 0.75 s
-        assert "<0.1 seconds><|vision_start|>" + "<|video_pad|>" * 4 in text and "<0.6 seconds>" in text
+    if kind.startswith("Qwen3"):  # each temporal patch's time in the prompt: frames at 0.125, 0.375 | 0.625, 0.875 s
+        assert "<0.2 seconds><|vision_start|>" + "<|video_pad|>" * 4 in text and "<0.8 seconds>" in text
     else:
         assert "seconds>" not in text
 
@@ -174,7 +174,7 @@ def test_prompt_inputs_put_the_media_at_the_markers(vlm):
     def block(pad: str, n: int) -> str:
         inner = pad * n
         if pad == "<|video_pad|>" and type(vlm.model).__name__.startswith("Qwen3"):  # a timed block per patch
-            inner = "<0.2 seconds><|vision_start|>" + inner + "<|vision_end|>"
+            inner = "<0.5 seconds><|vision_start|>" + inner + "<|vision_end|>"
         return "<|vision_start|>" + inner + "<|vision_end|>"
 
     text = vlm.tokenizer.decode(inputs["input_ids"][0])

@@ -70,7 +70,7 @@ def test_request_is_the_training_prompt_with_unexpanded_placeholders(vlm, prompt
     (frames, meta), = request["multi_modal_data"]["video"]
     assert frames.dtype == np.uint8 and frames.shape == (4, 56, 56, 3)
     assert np.array_equal(frames, video.permute(0, 2, 3, 1).numpy())
-    assert meta == {"total_num_frames": 4, "fps": 1.5, "frames_indices": [0, 1, 2, 3], "duration": 4 / 1.5}
+    assert meta == {"total_num_frames": 4, "fps": 1.5, "frames_indices": [0.5, 1.5, 2.5, 3.5], "duration": 4 / 1.5}
     assert request["mm_processor_kwargs"] == {"fps": 1.5, "do_sample_frames": False}
 
 
