@@ -166,7 +166,8 @@ class RowSteps:
     def forward(self, vlm: VLMModel, token: torch.Tensor, t: int) -> torch.Tensor:
         """Logits (B,V) fp32 after feeding ``token`` (B,), completion token ``t`` of every row."""
         position = self.position + t
-        extra = {} if self.attention_mask is None else {"attention_mask": self.attention_mask[:, :self.prefix + t + 1]}
+        columns = self.prefix + t + 1
+        extra = {} if self.attention_mask is None else {"attention_mask": self.attention_mask[:, :columns]}
         return vlm.model(input_ids=token[:, None], position_ids=position if len(position) == 3 else position[0],
                          use_cache=True, **{cache_argument(base_class(vlm.model)): self.cache},
                          **extra).logits[:, -1].float()

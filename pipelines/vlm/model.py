@@ -237,14 +237,16 @@ class VLMModel:
     def prompt_inputs(self, text: str, images: list[torch.Tensor], videos: list[torch.Tensor],
                       video_fps: list[float] | None = None) -> dict[str, torch.Tensor]:
         """Chat-template one user turn plus the assistant prompt, and run the processor at the given sizes (each side
-        only rounded to the patch grid, 28 px for Qwen2-VL and Qwen2.5-VL, 32 px for Qwen3-VL). The turn is ``text`` with the media at its
-        ``<image>``/``<video>`` markers, or the images, then the videos, then ``text`` when it has none
-        (:func:`~mmgrpo.pipelines.vlm.data.chat_content`, which raises ValueError for markers that do not match).
+        only rounded to the token grid: 28 px for Qwen2-VL and Qwen2.5-VL, 32 px for Qwen3-VL). The turn is
+        ``text`` with the media at its ``<image>``/``<video>`` markers, or the images, then the videos, then
+        ``text`` when it has none (:func:`~mmgrpo.pipelines.vlm.data.chat_content`, which raises ValueError for
+        markers that do not match).
 
         ``images``: (3,H,W) uint8; ``videos``: (T,3,H,W) uint8, frames already sampled at ``video_fps`` (default
-        2.0 each; :func:`video_metadata`). Returns batch-1 tensors on ``device``: ``input_ids`` (1,P) int64, ``attention_mask`` (1,P),
-        ``mm_token_type_ids`` (1,P), and ``pixel_values`` (N,C*2*14*14) fp32 + ``image_grid_thw`` (n_img,3) and/or
-        ``pixel_values_videos`` + ``video_grid_thw`` (n_vid,3) (+ ``second_per_grid_ts`` (n_vid,) on Qwen2.5-VL).
+        2.0 each; :func:`video_metadata`). Returns batch-1 tensors on ``device``: ``input_ids`` (1,P) int64,
+        ``attention_mask`` (1,P), ``mm_token_type_ids`` (1,P), and ``pixel_values`` (N,C*2*p*p) fp32 +
+        ``image_grid_thw`` (n_img,3) and/or ``pixel_values_videos`` + ``video_grid_thw`` (n_vid,3) (+
+        ``second_per_grid_ts`` (n_vid,) on Qwen2.5-VL), p the patch size (14, or 16 for Qwen3-VL).
         """
         for i, image in enumerate(images):
             if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[0] != 3:
