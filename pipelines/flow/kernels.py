@@ -36,12 +36,17 @@ class StepOutput:
     - ``log_prob``: (B,) Gaussian log-density of ``prev_sample``, averaged over the non-batch dimensions.
     - ``mean``: (B, ...) mean of the transition.
     - ``std``: (B,) std of the transition, the one actually used to sample.
+    - ``kl_std``: (B,) the std the KL to a reference step divides by, ``||mean - mean_ref||^2 / (2 kl_std^2)``, as
+      Flow-GRPO's training code has it: the SDE's noise scale per unit time, ``std / sqrt(|dt|)`` (Flow-GRPO's
+      ``std_t``, DanceGRPO's ``eta``), and the transition std for CPS. The published KL betas are tuned to this
+      scale; the exact KL of the transitions is ``1 / |dt|`` times larger for the SDEs.
     """
 
     prev_sample: Tensor
     log_prob: Tensor
     mean: Tensor
     std: Tensor
+    kl_std: Tensor
 
 
 def _batch_view(value: float | Tensor, x: Tensor) -> Tensor:
@@ -72,8 +77,10 @@ def _sample_and_score(
     noise: Tensor | None,
     prev_sample: Tensor | None,
     generator: torch.Generator | None,
+    kl_std: Tensor | None = None,
 ) -> StepOutput:
-    """Shared tail of the stochastic steps: draw (or take) prev_sample, then score it. std: (B, 1, ..., 1)."""
+    """Shared tail of the stochastic steps: draw (or take) prev_sample, then score it. std, kl_std: (B, 1, ..., 1);
+    ``kl_std`` defaults to ``std``."""
     if prev_sample is None:
         if noise is None:
             noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32, device=mean.device)
@@ -81,8 +88,9 @@ def _sample_and_score(
     else:
         prev_sample = prev_sample.float()
     std = std.reshape(mean.shape[0])
+    kl_std = std if kl_std is None else kl_std.reshape(mean.shape[0])
     log_prob = gaussian_log_prob(prev_sample.detach(), mean, std)
-    return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std)
+    return StepOutput(prev_sample=prev_sample, log_prob=log_prob, mean=mean, std=std, kl_std=kl_std)
 
 
 def flow_grpo_sde_step(
@@ -99,8 +107,10 @@ def flow_grpo_sde_step(
 ) -> StepOutput:
     """Flow-GRPO SDE step (Euler-Maruyama of the marginal-preserving reverse SDE).
 
-    ``std_t = noise_level * sqrt(sigma / (1 - s))`` with ``s = sigma``, except where ``sigma == 1``: there
-    ``s = sigma_max_substitute`` (pass the schedule's second sigma) so the denominator stays positive.
+    ``std_t = noise_level * sqrt(sigma / (1 - s))`` with ``s = min(sigma, sigma_max_substitute)``: pass the
+    schedule's second sigma, so that its first level, 1 (SD3, FLUX) or one that rounds just below it (Wan's
+    UniPC flow sigmas start at 1 - 1e-6), takes the second level's denominator instead of a huge or infinite one.
+    Without a substitute, ``sigma == 1`` is an error.
     The transition std is ``std_t * sqrt(-dt)``; it is nonzero even at ``sigma_prev == 0``.
 
     x, v: (B, ...); sigma, sigma_prev: float or (B,). Sampling: ``prev_sample`` if given, else ``noise`` if given
@@ -110,20 +120,19 @@ def flow_grpo_sde_step(
     sigma, sigma_prev = _batch_view(sigma, x), _batch_view(sigma_prev, x)
     dt = sigma_prev - sigma
 
-    at_max = sigma == 1
-    if bool(at_max.any()):
-        if sigma_max_substitute is None:
-            raise ValueError(
-                "flow_grpo_sde_step got sigma == 1, where sigma / (1 - sigma) is infinite; pass "
-                "sigma_max_substitute (the scheduler's second sigma, sigmas[1])"
-            )
-        s = torch.where(at_max, _batch_view(sigma_max_substitute, x), sigma)
+    if sigma_max_substitute is not None:
+        s = torch.minimum(sigma, _batch_view(sigma_max_substitute, x))
+    elif bool((sigma >= 1).any()):
+        raise ValueError(
+            "flow_grpo_sde_step got sigma == 1, where sigma / (1 - sigma) is infinite; pass "
+            "sigma_max_substitute (the scheduler's second sigma, sigmas[1])"
+        )
     else:
         s = sigma
     std_t = noise_level * torch.sqrt(sigma / (1 - s))
 
     mean = x * (1 + std_t**2 * dt / (2 * sigma)) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
-    return _sample_and_score(mean, std_t * torch.sqrt(-dt), noise, prev_sample, generator)
+    return _sample_and_score(mean, std_t * torch.sqrt(-dt), noise, prev_sample, generator, kl_std=std_t)
 
 
 def dance_grpo_sde_step(
@@ -151,7 +160,8 @@ def dance_grpo_sde_step(
     x0_hat = x - sigma * v
     score = -(x - x0_hat * (1 - sigma)) / sigma**2
     mean = x + dt * v - 0.5 * eta**2 * score * dt
-    return _sample_and_score(mean, eta * torch.sqrt(dt.abs()), noise, prev_sample, generator)
+    return _sample_and_score(mean, eta * torch.sqrt(dt.abs()), noise, prev_sample, generator,
+                             kl_std=torch.full_like(dt, eta))
 
 
 def cps_step(

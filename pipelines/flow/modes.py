@@ -36,7 +36,7 @@ def sde_kernel(sampling: Any, sigma_max_substitute: float) -> Callable[..., kern
     """The stochastic step of ``sampling.sde`` with its noise setting bound: ``fn(x, v, sigma, sigma_prev, *,
     noise=None, prev_sample=None) -> StepOutput``. flow_grpo and cps take ``sampling.noise_level`` (Flow-GRPO
     shares it between its SDE types), dance ``sampling.eta``. ``sigma_max_substitute`` is the schedule's second
-    sigma (the Flow-GRPO SDE needs it at sigma == 1)."""
+    sigma (the Flow-GRPO SDE's denominator at the schedule's first level, 1 or just below)."""
     if sampling.sde == "flow_grpo":
         return partial(kernels.flow_grpo_sde_step, noise_level=sampling.noise_level,
                        sigma_max_substitute=sigma_max_substitute)

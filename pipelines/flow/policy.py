@@ -564,7 +564,7 @@ class FlowPolicy(Policy):
             v_ref = self.adapter.reference_velocity(x, sigma, embeds, self.cfg.sampling.guidance_scale,
                                                     transformer=self.model)
             ref = self.kernel(x, v_ref, sigma, sigma_next, prev_sample=nxt)
-        return out.log_prob, gaussian_mean_kl(out.mean, ref.mean, batch_view(out.std, out.mean))
+        return out.log_prob, gaussian_mean_kl(out.mean, ref.mean, batch_view(out.kl_std, out.mean))
 
     def unit_advantages(self, rollout: Rollout, advantages: Tensor, rewards: Tensor) -> Tensor:
         """Chains: every unit gets its sample's advantage. Trees: each unit gets the depth-wise advantage of

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from mmgrpo.pipelines.flow.kernels import (
     StepOutput,
@@ -82,25 +82,28 @@ def test_empirical_moments_match_mean_and_std(step):
 #             mean = 1 - 0.1 - 0.5*0.09*(-1.375)*(-0.2) = 0.887625; std = 0.3*sqrt(0.2)
 #  cps:       std = 0.6*sin(pi/4) = sqrt(0.18), x0_hat = 0.6, x1_hat = 1.1,
 #             mean = 0.6*0.4 + 1.1*sqrt(0.36 - 0.18) = 0.24 + 1.1*sqrt(0.18)
+#  kl_std (the std the KL divides by, as in Flow-GRPO's training code): the SDEs' noise scale per unit time, std_t
+#             = 1.4 in both flow_grpo rows and eta = 0.3 for dance; the transition std for cps
 CLOSED_FORM = [
-    (flow_grpo_sde_step, {"noise_level": 0.7}, 0.8, 0.6, 0.6305, 1.4 * math.sqrt(0.2)),
-    (flow_grpo_sde_step, {"noise_level": 0.7, "sigma_max_substitute": 0.75}, 1.0, 0.75, 0.63, 0.7),
-    (dance_grpo_sde_step, {"eta": 0.3}, 0.8, 0.6, 0.887625, 0.3 * math.sqrt(0.2)),
-    (cps_step, {"eta": 0.5}, 0.8, 0.6, 0.24 + 1.1 * math.sqrt(0.18), math.sqrt(0.18)),
+    (flow_grpo_sde_step, {"noise_level": 0.7}, 0.8, 0.6, 0.6305, 1.4 * math.sqrt(0.2), 1.4),
+    (flow_grpo_sde_step, {"noise_level": 0.7, "sigma_max_substitute": 0.75}, 1.0, 0.75, 0.63, 0.7, 1.4),
+    (dance_grpo_sde_step, {"eta": 0.3}, 0.8, 0.6, 0.887625, 0.3 * math.sqrt(0.2), 0.3),
+    (cps_step, {"eta": 0.5}, 0.8, 0.6, 0.24 + 1.1 * math.sqrt(0.18), math.sqrt(0.18), math.sqrt(0.18)),
 ]
 
 
 @pytest.mark.parametrize(
-    ("step", "kwargs", "sigma", "sigma_prev", "mean", "std"),
+    ("step", "kwargs", "sigma", "sigma_prev", "mean", "std", "kl_std"),
     CLOSED_FORM,
     ids=["flow_grpo", "flow_grpo_at_sigma_1", "dance", "cps"],
 )
-def test_mean_and_std_match_hand_computed_scalar_example(step, kwargs, sigma, sigma_prev, mean, std):
+def test_mean_and_std_match_hand_computed_scalar_example(step, kwargs, sigma, sigma_prev, mean, std, kl_std):
     out = step(
         torch.ones(1, 1), torch.full((1, 1), 0.5), sigma, sigma_prev, noise=torch.zeros(1, 1), **kwargs
     )
     assert out.mean.item() == pytest.approx(mean, rel=1e-6)
     assert out.std.item() == pytest.approx(std, rel=1e-6)
+    assert out.kl_std.item() == pytest.approx(kl_std, rel=1e-6)
     assert torch.equal(out.prev_sample, out.mean)
 
 
@@ -110,6 +113,22 @@ def test_flow_grpo_at_sigma_1_needs_a_substitute():
         flow_grpo_sde_step(x, v, 1.0, 0.9)
     with pytest.raises(ValueError, match="sigma_max_substitute"):
         flow_grpo_sde_step(x, v, torch.tensor([0.5, 1.0]), torch.tensor([0.4, 0.9]))
+
+
+def test_flow_grpo_first_level_just_below_1_takes_the_substitute():
+    """Wan's UniPC flow sigmas start at 1 - 1e-6, not 1: the first step's std_t must still use sigmas[1]'s
+    denominator (0.7 * sqrt(~1 / (1 - sigmas[1]))), not 0.7 * sqrt(1e6); later levels keep their own."""
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0)
+    scheduler.set_timesteps(10)
+    sigmas = scheduler.sigmas.double()
+    assert 0.999 < float(sigmas[0]) < 1.0
+    x, v = _latents(2, 3)
+    for k in (0, 1, 4):
+        out = flow_grpo_sde_step(x.double(), v.double(), float(sigmas[k]), float(sigmas[k + 1]), noise_level=0.7,
+                                 sigma_max_substitute=float(sigmas[1]), noise=torch.zeros_like(x))
+        s = sigmas[1] if k == 0 else sigmas[k]
+        std_t = 0.7 * math.sqrt(sigmas[k] / (1 - s))
+        assert out.std.flatten()[0].item() == pytest.approx(std_t * math.sqrt(sigmas[k] - sigmas[k + 1]), rel=1e-5)
 
 
 def test_noiseless_sdes_and_euler_follow_diffusers_flow_match_euler():
@@ -206,7 +225,7 @@ def test_zero_std_gives_the_deterministic_sample_and_zero_log_prob():
     assert out.std[0] > 0 and out.std[1] == 0
     torch.testing.assert_close(out.prev_sample[1], x[1] - 0.4 * v[1], rtol=0, atol=1e-6)
     assert out.log_prob[1] == 0
-    first = StepOutput(out.prev_sample[:1], out.log_prob[:1], out.mean[:1], out.std[:1])
+    first = StepOutput(out.prev_sample[:1], out.log_prob[:1], out.mean[:1], out.std[:1], out.kl_std[:1])
     torch.testing.assert_close(out.log_prob[:1], _normal_log_prob(first))
 
     replay = cps_step(

@@ -170,6 +170,39 @@ def test_kl_is_zero_at_init_then_positive_and_counters_add_up(adapter, tmp_path)
     assert rows[0]["nfe/rollout"] == 32 and rows[0]["nfe/train"] == 36 and rows[0]["nfe/train_grad"] == 12
 
 
+def test_kl_is_the_mean_gap_over_flow_grpos_std_t(adapter, tmp_path):
+    """The KL of a Flow-GRPO SDE step is mean(||mean - mean_ref||^2) / (2 std_t^2) with std_t = a*sqrt(sigma/(1-s))
+    the noise scale per unit time (s = sigmas[1] at the first level), as Flow-GRPO trains (its KL betas are tuned to
+    it): the means differ by (v - v_ref) * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt."""
+    cfg = config("tiny_flowgrpo", tmp_path)
+    policy = FlowPolicy(cfg, adapter=adapter)
+    rollout = policy.rollout(ITEMS[:1], [0], cfg.train.group_size)
+    lora = [p for n, p in policy.model.named_parameters() if "lora_B" in n]
+    with torch.no_grad():
+        saved = [p.clone() for p in lora]
+        for p in lora:  # the policy moves away from the reference (LoRA B starts at 0)
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+        rollout.weights_updated = True  # the rollout's unconditional velocities are no longer the policy's
+        try:
+            rows, units = torch.arange(2), torch.tensor([0, 2])
+            kl = policy.log_probs(rollout, rows, units, with_kl=True).kl
+            d, (r, u) = rollout.data, torch.meshgrid(rows, units, indexing="ij")
+            x, sigma, sigma_next = d["x"][r, u].flatten(0, 1), d["sigma"][r, u].flatten(), d["sigma_next"][r, u].flatten()
+            embeds, g = d["embeds"].select(r.flatten()), cfg.sampling.guidance_scale
+            gap = adapter.velocity(x, sigma, embeds, g) - adapter.reference_velocity(x, sigma, embeds, g)
+        finally:
+            for p, old in zip(lora, saved):
+                p.copy_(old)
+    sigmas, a = policy.sigmas, cfg.sampling.noise_level
+    s = torch.minimum(sigma, sigmas[1])
+    std_t = (a * (sigma / (1 - s)).sqrt()).view(-1, 1, 1, 1)
+    sig, dt = sigma.view(-1, 1, 1, 1), (sigma_next - sigma).view(-1, 1, 1, 1)
+    mean_gap = gap * (1 + std_t ** 2 * (1 - sig) / (2 * sig)) * dt
+    expected = (mean_gap ** 2 / (2 * std_t ** 2)).flatten(1).mean(1).view(2, 2)
+    assert float(expected.min()) > 0
+    torch.testing.assert_close(kl, expected, rtol=1e-4, atol=1e-9)
+
+
 @pytest.mark.parametrize("preset", ["tiny_flowgrpo", "tiny_dancegrpo", "tiny_branchgrpo", "tiny_tempflow"])
 @pytest.mark.parametrize("updates", [1, 2])
 def test_nfe_counters_are_the_rows_the_transformer_ran(preset, updates, adapter, tmp_path):
@@ -391,7 +424,7 @@ def test_a_bad_prompt_file_fails_before_the_model_loads(tmp_path, content, messa
 def test_noise_aware_weight_of_a_step_is_the_same_in_any_batch(adapter, tmp_path):
     """TempFlow's noise-aware weight of step k is std_k*sqrt|dt_k| over its mean over the schedule's steps: not 1
     in a one-group rollout, the same with more groups and in another mode, and larger for a noisier step."""
-    a = 0.7  # sampling.noise_level of the preset; std_t = a*sqrt(sigma/(1-s)), s = sigmas[1] at sigma = 1
+    a = 0.7  # sampling.noise_level of the preset; std_t = a*sqrt(sigma/(1-s)), s = sigmas[1] at sigmas[0]
     def weights(preset, *overrides, items=ITEMS[:1]):
         cfg = config(preset, tmp_path, "mode.timestep_weighting=noise_aware", *overrides)
         policy = FlowPolicy(cfg, adapter=adapter)
