@@ -505,14 +505,16 @@ class Trainer:
                 max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm > 0 else math.inf
                 grad_norm = acc.clip_grad_norm_(self.policy.model.parameters(), max_norm)
                 finite = grad_norm is None or math.isfinite(float(grad_norm))
-                if finite:
+                if finite or acc.scaler is not None:
+                    # fp16's loss scaler skips a non-finite step itself, and must see it to lower its scale
                     self.optimizer.step()
-                    rollout.weights_updated = True
-                else:  # the same decision on every process: the norm is global
+                    rollout.weights_updated |= finite
+                if not finite:  # the same decision on every process: the norm is global
                     self.skipped_updates += 1
-                    warnings.warn(f"step {self.step + 1}: the gradient norm is {float(grad_norm)} (a non-finite "
-                                  "loss: look at the rewards and advantages of this step); the update is skipped "
-                                  f"({self.skipped_updates} so far)", RuntimeWarning, stacklevel=2)
+                    cause = ("an fp16 overflow: the loss scale is lowered" if acc.scaler is not None else
+                             "a non-finite loss: look at the rewards and advantages of this step")
+                    warnings.warn(f"step {self.step + 1}: the gradient norm is {float(grad_norm)} ({cause}); the "
+                                  f"update is skipped ({self.skipped_updates} so far)", RuntimeWarning, stacklevel=2)
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.ema is not None:

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import DeepSpeedPlugin
 from ports import free_port
 from safetensors.torch import load_file
@@ -429,6 +431,31 @@ def test_a_non_finite_gradient_skips_the_update_and_is_counted(tmp_path):
     torch.testing.assert_close(load_file(str(tmp_path / "checkpoints" / "step-2" / "policy" / "model.safetensors"))
                                ["weight"], before_step_2[1], atol=0, rtol=0)  # step 2 left the weights as they were
     assert torch.isfinite(trainer.policy.model.weight).all() and trainer.skipped_updates == 1
+
+
+@pytest.fixture
+def own_accelerator_state():
+    """Accelerate keeps one process-wide state, whose mixed precision cannot change once set: clear it before and
+    after a test that needs another (accelerate's own tests do the same)."""
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
+@pytest.mark.usefixtures("own_accelerator_state")
+def test_an_fp16_overflow_lowers_the_loss_scale_and_the_next_step_updates(tmp_path):
+    """Under fp16 the step with a non-finite gradient still goes through the optimiser, whose loss scaler skips it
+    and halves its scale; skipping the call would leave the scaler unscaled-but-not-updated, and the next step's
+    clip_grad_norm_ would raise. CUDA fp16 runs get this scaler from accelerate; here it is torch's CPU one."""
+    acc = Accelerator(cpu=True, mixed_precision="fp16", step_scheduler_with_optimizer=False)
+    acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    trainer = Trainer(toy(tmp_path, "train.max_steps=3", "toy.nan_rollout=2"), accelerator=acc)
+    with pytest.warns(RuntimeWarning, match=r"step 2: the gradient norm is nan \(an fp16 overflow: the loss scale "
+                                            r"is lowered\); the update is skipped \(1 so far\)"):
+        history = trainer.train()
+    assert [r.get("train/skipped_update", 0.0) for r in history] == [0.0, 1.0, 0.0]
+    assert acc.scaler.get_scale() == 2.0 ** 15 and trainer.skipped_updates == 1
+    assert torch.isfinite(trainer.policy.model.weight).all()
 
 
 def test_a_fresh_run_refuses_a_directory_that_holds_a_run(tmp_path):
