@@ -32,14 +32,14 @@ def aggregation_weights(mask: torch.Tensor, mode: str, max_units: int | None = N
     processes' gradients are averaged, so the result is the mean over the whole batch, not a mean of per-process
     means. Rows without units get weight 0; an all-False mask gives all zeros."""
     m = mask.float()
-    per_row = m.sum(dim=1, keepdim=True)
+    count = aggregation_count(mask, mode) if total is None else total
+    count = count if count > 0 else 1.0  # nothing trained: all weights are 0 anyway (a mean count may be < 1)
     if mode == "token-mean":
-        return m / max(m.sum().item() if total is None else total, 1.0)
-    rows = max((per_row > 0).sum().item() if total is None else total, 1.0)
+        return m / count
     if mode == "seq-mean-token-mean":
-        return m / per_row.clamp(min=1) / rows
+        return m / m.sum(dim=1, keepdim=True).clamp(min=1) / count
     if mode == "seq-mean-token-sum-norm":
-        return m / (rows * max(max_units or mask.shape[1], 1))
+        return m / (count * max(max_units or mask.shape[1], 1))
     raise ValueError(f"unknown loss aggregation '{mode}' (valid: {', '.join(AGGREGATIONS)})")
 
 

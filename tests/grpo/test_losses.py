@@ -55,11 +55,15 @@ def test_aggregation_seq_mean_token_sum_norm():
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_aggregation_over_processes_is_the_global_mean(mode):
+@pytest.mark.parametrize("rows", [
+    [[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]],
+    [[0, 0, 0, 0, 0], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]],  # mean count 0.5: not raised to 1
+], ids=["lengths", "one_unit"])
+def test_aggregation_over_processes_is_the_global_mean(mode, rows):
     """Two processes with different lengths: averaging their losses, each weighted with the mean count over the
     processes (``total``), equals the loss of the whole batch on one process."""
     loss = torch.rand(4, 5)
-    mask = t([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]], torch.bool)
+    mask = t(rows, torch.bool)
     halves = (mask[:2], mask[2:])
     total = sum(aggregation_count(m, mode) for m in halves) / 2
     per_process = [(aggregation_weights(m, mode, 5, total=total) * l).sum() for m, l in zip(halves, loss.split(2))]
