@@ -61,7 +61,7 @@ class VLMSample:
 def _json_lines(text: str, name: str) -> list[tuple[int, Any]]:
     """(line, value) of each non-blank line of a JSONL text."""
     records = []
-    for line_no, line in enumerate(text.splitlines(), 1):
+    for line_no, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028, U+0085
         if not line.strip():
             continue
         try:

@@ -31,6 +31,8 @@ PIXEL_UNIT = 28 * 28
 """Pixels per unit of ``video.max_pixels``, ``video.min_pixels``, ``video.image_max_pixels`` and
 ``video.image_min_pixels``."""
 BACKENDS = ("auto", "decord", "pyav")
+MAX_ASPECT = 200
+"""The longest side over the shortest that the Qwen2-VL-family processors accept for an image or frame."""
 
 
 class MediaError(Exception):
@@ -59,14 +61,14 @@ def check_video_config(cfg: VLMVideoConfig) -> None:
     if cfg.max_frames < cfg.frame_multiple:
         raise ConfigError(f"bad value for 'video.max_frames': must be >= video.frame_multiple "
                           f"({cfg.frame_multiple}), got {cfg.max_frames}")
-    for key in ("max_pixels", "image_max_pixels"):
-        value = getattr(cfg, key)
-        if value < cfg.min_pixels or value * PIXEL_UNIT < cfg.size_factor ** 2:
-            raise ConfigError(f"bad value for 'video.{key}': must be >= video.min_pixels ({cfg.min_pixels}) and "
+    if cfg.image_min_pixels is not None and cfg.image_min_pixels < 1:
+        raise ConfigError(f"bad value for 'video.image_min_pixels': must be >= 1, got {cfg.image_min_pixels}")
+    image_floor = "min_pixels" if cfg.image_min_pixels is None else "image_min_pixels"
+    for key, floor in (("max_pixels", "min_pixels"), ("image_max_pixels", image_floor)):
+        value, low = getattr(cfg, key), getattr(cfg, floor)
+        if value < low or value * PIXEL_UNIT < cfg.size_factor ** 2:
+            raise ConfigError(f"bad value for 'video.{key}': must be >= video.{floor} ({low}) and "
                               f"hold one {cfg.size_factor}x{cfg.size_factor} patch, got {value}")
-    if cfg.image_min_pixels is not None and not 1 <= cfg.image_min_pixels <= cfg.image_max_pixels:
-        raise ConfigError(f"bad value for 'video.image_min_pixels': need 1 <= image_min_pixels <= "
-                          f"video.image_max_pixels ({cfg.image_max_pixels}), got {cfg.image_min_pixels}")
 
 
 def image_min_pixels(cfg: VLMVideoConfig) -> int:
@@ -138,6 +140,17 @@ def smart_size(height: int, width: int, min_pixels: int, max_pixels: int, factor
             h -= factor
         else:
             w -= factor
+    return h, w
+
+
+def fitted_size(path: str | os.PathLike, height: int, width: int, min_pixels: int, max_pixels: int,
+                factor: int) -> tuple[int, int]:
+    """:func:`smart_size` of an image or frame of ``path``; MediaError when the result is still longer than
+    ``MAX_ASPECT`` times its width (or the reverse), which the Qwen2-VL-family processors refuse."""
+    h, w = smart_size(height, width, min_pixels, max_pixels, factor)
+    if max(h, w) > MAX_ASPECT * min(h, w):
+        raise MediaError(path, f"aspect ratio {max(h, w) / min(h, w):.0f}:1 after resizing {height}x{width} to "
+                               f"{h}x{w}; the processor takes at most {MAX_ASPECT}:1")
     return h, w
 
 
@@ -249,8 +262,8 @@ def decode_video(path: str | os.PathLike, cfg: VLMVideoConfig) -> tuple[torch.Te
             except MediaError as err2:
                 raise MediaError(path, f"{err.reason}; {err2.reason}") from err2
             warnings.warn(f"{err}; decoded it with PyAV instead", stacklevel=2)
-    size = smart_size(frames.shape[1], frames.shape[2], cfg.min_pixels * PIXEL_UNIT, cfg.max_pixels * PIXEL_UNIT,
-                      cfg.size_factor)
+    size = fitted_size(path, frames.shape[1], frames.shape[2], cfg.min_pixels * PIXEL_UNIT,
+                       cfg.max_pixels * PIXEL_UNIT, cfg.size_factor)
     return _resize(frames, size), fps
 
 
@@ -280,8 +293,8 @@ def load_image(path: str | os.PathLike, cfg: VLMVideoConfig) -> torch.Tensor:
             rgb = np.asarray(_to_rgb(ImageOps.exif_transpose(image)))
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, DecompressionBombError, ...
         raise MediaError(path, f"cannot read the image ({_reason(err)})") from err
-    size = smart_size(rgb.shape[0], rgb.shape[1], image_min_pixels(cfg) * PIXEL_UNIT,
-                      cfg.image_max_pixels * PIXEL_UNIT, cfg.size_factor)
+    size = fitted_size(path, rgb.shape[0], rgb.shape[1], image_min_pixels(cfg) * PIXEL_UNIT,
+                       cfg.image_max_pixels * PIXEL_UNIT, cfg.size_factor)
     return _resize(rgb[None], size)[0]
 
 

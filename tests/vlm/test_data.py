@@ -93,6 +93,18 @@ def test_malformed_jsonl_line_names_line(root: Path):
     assert str(err.value) == f"{path}:3: malformed JSON at column 30: Unterminated string starting at"
 
 
+def test_jsonl_strings_may_hold_unicode_line_separators(root: Path):
+    """U+2028, U+2029 and U+0085 are valid unescaped inside JSON strings (json.dumps(ensure_ascii=False) writes
+    them): they do not end a JSONL record, and CRLF line ends still do."""
+    problems = ["left\u2028or right?", "up\x85or down?", "in\u2029out?"]
+    path = root / "d.jsonl"
+    path.write_text("\r\n".join(json.dumps(video_r1(problem=p), ensure_ascii=False) for p in problems) + "\r\n",
+                    newline="")
+    samples = read_samples(path, root)
+    assert [s.question for s in samples] == problems
+    assert [s.source.rsplit(":", 1)[1] for s in samples] == ["1", "2", "3"]
+
+
 def test_malformed_json_list_names_line(root: Path):
     path = root / "d.json"
     path.write_text('[\n  {"problem": "a", "answer": "b"},\n  {"problem": "a" "answer": "b"}\n]\n')

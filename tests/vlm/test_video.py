@@ -183,8 +183,13 @@ def test_bad_video_config():
         decode_video(CLIPS[0], cfg(min_frames=20))
     with pytest.raises(ConfigError, match="'video.max_pixels'"):
         load_image(TINY / "images/count_00.png", cfg(max_pixels=1, size_factor=32))
-    with pytest.raises(ConfigError, match="'video.image_min_pixels'"):
+    with pytest.raises(ConfigError, match="'video.image_min_pixels': must be >= 1"):
+        load_image(TINY / "images/count_00.png", cfg(image_min_pixels=0))
+    with pytest.raises(ConfigError, match=r"'video.image_max_pixels': must be >= video.image_min_pixels \(300\)"):
         load_image(TINY / "images/count_00.png", cfg(image_min_pixels=300))
+    # an image budget below the video floor is valid when image_min_pixels sets its own floor
+    assert load_image(TINY / "images/count_00.png", cfg(min_pixels=64, max_pixels=256, image_min_pixels=4,
+                                                        image_max_pixels=32)).shape[1:] == (56, 56)
 
 
 def test_load_image_modes_and_budget(tmp_path: Path):
@@ -215,6 +220,15 @@ def test_image_min_pixels_upscales_images_only(tmp_path: Path):
     assert frames.shape[-2] * frames.shape[-1] <= 4 * 784
     cache = MediaCache()
     assert cache.get_image(tmp_path / "small.png", up).shape != cache.get_image(tmp_path / "small.png", CFG).shape
+
+
+def test_an_image_too_long_for_the_processor_after_resizing_is_a_media_error(tmp_path: Path):
+    """12x9000 fits a 256-unit budget only as 28x7168 (256:1): the Qwen2-VL processors refuse more than 200:1."""
+    Image.fromarray(np.zeros((12, 9000, 3), np.uint8)).save(tmp_path / "banner.png")
+    with pytest.raises(MediaError, match=r"banner\.png: aspect ratio 256:1 after resizing 12x9000 to 28x7168"):
+        load_image(tmp_path / "banner.png", CFG)
+    Image.fromarray(np.zeros((12, 4000, 3), np.uint8)).save(tmp_path / "strip.png")
+    assert load_image(tmp_path / "strip.png", CFG).shape[1:] == (28, 4004)  # 143:1 is accepted
 
 
 def test_load_image_exif_orientation(tmp_path: Path):
