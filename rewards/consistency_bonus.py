@@ -49,8 +49,9 @@ def consistency_bonus(accuracy: torch.Tensor, likelihood: torch.Tensor, group: t
     for gid in torch.unique(group):
         rows = group == gid
         a, p = acc[rows], like[rows]
-        accurate = (a > threshold) & (a >= a.mean()) & ~torch.isnan(p)
-        if not accurate.any():
+        at_least_mean = (a >= a.mean()) | torch.isclose(a, a.mean().expand_as(a), rtol=1e-12, atol=0.0)
+        accurate = (a > threshold) & at_least_mean & ~torch.isnan(p)  # isclose: the mean of equal scores
+        if not accurate.any():  # can round one ulp above them
             continue
         picked = accurate & (p >= p[accurate].mean() - margin)
         bonus[rows] = torch.where(picked, a, torch.zeros_like(a))

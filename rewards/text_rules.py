@@ -369,7 +369,10 @@ class LengthReward(Reward):
         return torch.tensor([self.score(n) for n in sizes], dtype=torch.float64)
 
 
-_SECONDS_RE = re.compile(r"\d+(?:\.\d+)?")
+_SECONDS_RE = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+_NEGATIVE_RE = re.compile(r"(?:^|[^\w.\s]|\b(?:to|from|and|between))\s*-\s*[\d.]")
+"""A minus that is a sign, not the ``s-e`` separator: at the start, after punctuation (``[3, -5]``) or a word that
+joins two numbers (``3 to -5``)."""
 
 
 def parse_interval(value: Any) -> tuple[float, float] | None:
@@ -380,6 +383,8 @@ def parse_interval(value: Any) -> tuple[float, float] | None:
             numbers = [float(v) for v in value]
         except (TypeError, ValueError):
             return None
+    elif _NEGATIVE_RE.search(str(value)):
+        return None
     else:
         numbers = [float(v) for v in _SECONDS_RE.findall(str(value))]
     if len(numbers) != 2 or not 0 <= numbers[0] <= numbers[1]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mmgrpo.registry import REWARDS
 
-from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
+from .base import GROUPWISE, POINTWISE, Reward, RewardBatch, as_scores
 from .checks import as_rgb_videos
 from .clip_models import encode_in_slices, load_open_clip, resolve_device, resolve_dtype
 from .image_rules import in_chunks, luminance
@@ -116,16 +116,13 @@ class VideoFrames(Reward):
         )
         output = self.inner(frame_batch)
 
-        def per_video(value: Any) -> torch.Tensor:
-            v = value if torch.is_tensor(value) else torch.as_tensor(list(value))
-            v = v.detach().to("cpu", torch.float64).reshape(-1)
-            if v.numel() != b * n:
-                raise ValueError(f"video_frames: the image reward returned {v.numel()} scores for {b * n} frames")
-            return _reduce(v.view(b, n), self.reduce)
+        def per_video(value: Any, name: str) -> torch.Tensor:
+            (scores,) = as_scores(value, b * n, name).values()  # None -> NaN; a wrong count is a ValueError
+            return _reduce(scores.view(b, n), self.reduce)
 
         if isinstance(output, dict):
-            return {key: per_video(value) for key, value in output.items()}
-        return per_video(output)
+            return {key: per_video(value, f"video_frames/{key}") for key, value in output.items()}
+        return per_video(output, "video_frames")
 
 
 @REWARDS.register("temporal_consistency", kind="pointwise", modality="video",

@@ -293,3 +293,13 @@ def test_parse_interval_points():
     assert parse_interval((1, 2.5)) == (1.0, 2.5)
     assert parse_interval("5") is None
     assert parse_interval(["a", "b"]) is None and parse_interval([None, 1]) is None
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("[0, .5]", (0.0, 0.5)), ("[.5, 6]", (0.5, 6.0)),  # leading-dot decimals are one number, not "5"
+    ("12.5-17", (12.5, 17.0)), ("0.5 - 2", (0.5, 2.0)), ("12.5s - 17s", (12.5, 17.0)),  # a dash between numbers
+    ("between 2 and 4", (2.0, 4.0)),
+    ("[3, -5]", None), ("-3 to 5", None), ("3 to -5", None), ("(-1, 4)", None),  # negative, not "3 to 5"
+])
+def test_parse_interval_reads_signs_and_leading_dot_decimals(text, expected):
+    assert parse_interval(text) == expected

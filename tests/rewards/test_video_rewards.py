@@ -96,6 +96,19 @@ def test_video_frames_sub_scores_nan_frames_and_bad_inner():
                                                "frames": None, "reduce": reduce})
         scores = reward(video_batch(torch.rand(2, 2, 3, 4, 4), PROMPTS[:2]))
         assert scores[0].item() == 0.5 and math.isnan(scores[1].item())
+
+    def none_for_the_second_video(batch):  # None is "does not apply", as for any reward
+        return [None if m["video_frame"] is not None and p == PROMPTS[1] else 0.25
+                for p, m in zip(batch.prompts, batch.meta)]
+
+    reward = build_reward("video_frames", {"image_reward": FunctionReward(none_for_the_second_video,
+                                                                          modality="image"), "frames": None})
+    scores = reward(video_batch(torch.rand(2, 2, 3, 4, 4), PROMPTS[:2]))
+    assert scores[0].item() == 0.25 and math.isnan(scores[1].item())
+    short = build_reward("video_frames", {"image_reward": FunctionReward(lambda batch: [0.5], modality="image"),
+                                          "frames": None})
+    with pytest.raises(ValueError, match="reward 'video_frames' returned 1 scores for a batch of 4"):
+        short(video_batch(torch.rand(2, 2, 3, 4, 4), PROMPTS[:2]))
     with pytest.raises(ValueError, match="not an image reward"):
         build_reward("video_frames", {"image_reward": FunctionReward(half_nan, modality="text")})
     with pytest.raises(ValueError, match="reduce"):

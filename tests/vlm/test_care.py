@@ -47,6 +47,13 @@ def test_partial_credit_needs_the_group_mean_and_the_threshold():
     assert consistency_bonus(torch.full((3,), 0.05), torch.full((3,), 0.9), one_group(3)).tolist() == [0.0] * 3
 
 
+@pytest.mark.parametrize("n", [3, 5, 6, 7, 12])
+def test_a_group_of_equal_partial_scores_is_accurate_although_their_float_mean_rounds_above_them(n):
+    # at n = 6 the float64 mean of six 0.7 is one ulp above 0.7: a plain >= picked no rollout
+    assert consistency_bonus(torch.full((n,), 0.7, dtype=torch.float64), torch.full((n,), 0.5),
+                             one_group(n)).tolist() == [0.7] * n
+
+
 def test_likelihoods_are_clamped_so_near_certain_answers_tie():
     # 0.999 and 0.96 both clamp to 0.95: no rank on noise above the bound; unclamped, 0.96 < 0.9795 - 0.01
     acc, like = torch.ones(2), torch.tensor([0.999, 0.96])
