@@ -18,7 +18,8 @@ Weight names (:func:`checkpoint_name`): the trained module's state dict, strippe
 from DDP, ``_orig_mod.`` from torch.compile, ``base_model.model.`` from PEFT), with LoRA layers merged (``W +
 scale * B @ A`` of the active adapters, read through PEFT's ``get_delta_weight``; the ``lora_*`` tensors themselves
 are not sent), PEFT's ``base_layer`` / ``modules_to_save.<adapter>`` levels removed (``original_module`` copies
-dropped), and transformers >= 4.52 runtime names mapped back to the checkpoint names:
+dropped), and, for Qwen2-VL and Qwen2.5-VL (:data:`RENAMED_MODEL_TYPES`), transformers >= 4.52 runtime names mapped
+back to the names of their checkpoints:
 
 =========================== ==================
 runtime (transformers)      checkpoint / vLLM
@@ -30,8 +31,9 @@ runtime (transformers)      checkpoint / vLLM
 
 These are the names in the Qwen2-VL / Qwen2.5-VL safetensors files, which vLLM's ``load_weights`` maps itself
 (its ``hf_to_vllm_mapper`` takes both these and the runtime names; fused ``qkv_proj`` / ``gate_up_proj`` shards are
-split out of ``q_proj``/``k_proj``/``v_proj`` by its loader). The tests check the names against the tiny models'
-safetensors files.
+split out of ``q_proj``/``k_proj``/``v_proj`` by its loader). Qwen3-VL checkpoints keep the runtime names
+(``model.language_model.X``, ``model.visual.X``), the only ones vLLM's Qwen3-VL mapper takes, so they are sent as
+they are. The tests check the names against every tiny model's safetensors file.
 
 Everything above the :class:`VLLMSampler` class is pure and tested without vLLM (``tests/vlm/test_vllm_backend.py``);
 the engine calls themselves run only on a GPU machine with vLLM installed, which this project's CPU CI is not.
@@ -69,6 +71,9 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.", "base_model.model.")
 """Name prefixes of DDP / DeepSpeed, torch.compile and PEFT wrappers, stripped from weight names."""
 RUNTIME_TO_CHECKPOINT = (("model.language_model.", "model."), ("model.visual.", "visual."))
 """transformers >= 4.52 module names of Qwen2-VL / Qwen2.5-VL -> the names in their safetensors checkpoints."""
+RENAMED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+"""``config.model_type`` of the models whose checkpoints use the names of :data:`RUNTIME_TO_CHECKPOINT`; other
+models (Qwen3-VL) save, and vLLM loads, their runtime names."""
 _LORA_TENSOR = re.compile(r"\.lora_[A-Za-z_]+(\.|$)")
 _MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")
 
@@ -273,9 +278,9 @@ def sampled_logprobs(token_ids: Sequence[int], steps: Sequence[Any] | None) -> l
 
 
 # ---------------------------------------------------------------------------------------------- weights
-def checkpoint_name(name: str) -> str | None:
-    """The checkpoint name of a trained module's state-dict entry (see the module docstring), or None for tensors
-    that have no checkpoint counterpart (LoRA factors, PEFT's ``original_module`` copies)."""
+def checkpoint_name(name: str, model_type: str) -> str | None:
+    """The checkpoint name of a state-dict entry of a trained ``model_type`` module (see the module docstring), or
+    None for tensors that have no checkpoint counterpart (LoRA factors, PEFT's ``original_module`` copies)."""
     stripped = True
     while stripped:
         stripped = False
@@ -285,6 +290,8 @@ def checkpoint_name(name: str) -> str | None:
     if _LORA_TENSOR.search(name) or ".original_module." in name:
         return None
     name = _MODULES_TO_SAVE.sub(".", name.replace(".base_layer.", "."))
+    if model_type not in RENAMED_MODEL_TYPES:
+        return name
     for runtime, checkpoint in RUNTIME_TO_CHECKPOINT:
         if name.startswith(runtime):
             return checkpoint + name[len(runtime):]
@@ -323,7 +330,7 @@ def policy_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     tied = out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight
     seen: set[str] = set()
     for name, tensor in model.state_dict().items():
-        target = checkpoint_name(name)
+        target = checkpoint_name(name, base.config.model_type)
         if target is None or (tied and target == "lm_head.weight"):
             continue
         if target in seen:

@@ -212,7 +212,9 @@ def test_hf_samples_round_trip_through_the_conversion(vlm):
 
 # ---------------------------------------------------------------------------------------------- weights
 def test_checkpoint_names():
-    name = vb.checkpoint_name
+    def name(n):
+        return vb.checkpoint_name(n, "qwen2_vl")
+
     assert name("module.base_model.model.model.language_model.layers.0.self_attn.q_proj.base_layer.weight") == \
         "model.layers.0.self_attn.q_proj.weight"
     assert name("base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
@@ -223,6 +225,10 @@ def test_checkpoint_names():
     assert name("_orig_mod.model.visual.merger.mlp.0.bias") == "visual.merger.mlp.0.bias"
     assert name("lm_head.weight") == "lm_head.weight"
     assert name("model.layers.3.mlp.up_proj.weight") == "model.layers.3.mlp.up_proj.weight"  # already old-style
+    # Qwen3-VL checkpoints keep the runtime names: only the wrappers and PEFT levels go
+    assert vb.checkpoint_name("module.base_model.model.model.language_model.layers.0.self_attn.q_proj.base_layer"
+                              ".weight", "qwen3_vl") == "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert vb.checkpoint_name("model.visual.blocks.0.attn.qkv.weight", "qwen3_vl") == "model.visual.blocks.0.attn.qkv.weight"
 
 
 def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -239,7 +245,7 @@ class Wrapper(torch.nn.Module):
         self.module = module
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_full_model_weights_are_the_checkpoint(kind):
     vlm = VLMModel(VLMModelConfig(path=f"tiny:{kind}"))
     saved = checkpoint_tensors(vlm.path)
@@ -251,11 +257,11 @@ def test_full_model_weights_are_the_checkpoint(kind):
     with torch.no_grad():
         vlm.model.get_input_embeddings().weight.add_(1.0)
     assert vb.weights_version(vlm.model) > before
-    assert torch.equal(dict(vb.policy_weights(vlm.model))["model.embed_tokens.weight"],
-                       saved["model.embed_tokens.weight"] + 1.0)
+    (embed,) = [k for k in saved if k.endswith("embed_tokens.weight")]  # model.(language_model.)embed_tokens
+    assert torch.equal(dict(vb.policy_weights(vlm.model))[embed], saved[embed] + 1.0)
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("freeze_vision", [True, False])
 def test_lora_weights_are_merged_under_the_base_checkpoint_names(kind, freeze_vision):
     vlm = VLMModel(VLMModelConfig(path=f"tiny:{kind}", lora_rank=4, freeze_vision=freeze_vision))
@@ -267,14 +273,16 @@ def test_lora_weights_are_merged_under_the_base_checkpoint_names(kind, freeze_vi
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
     pushed = dict(vb.policy_weights(vlm.model))
     assert set(pushed) == set(saved)
-    merged = {vb.checkpoint_name(k): v for k, v in copy.deepcopy(vlm.model).merge_and_unload().state_dict().items()}
+    merged = {vb.checkpoint_name(k, kind): v
+              for k, v in copy.deepcopy(vlm.model).merge_and_unload().state_dict().items()}
     for k in saved:
         assert torch.allclose(pushed[k], merged[k], atol=1e-6), k
     changed = {k for k in saved if not torch.equal(pushed[k], saved[k])}
     targets = tuple(f".{t}.weight" for t in vlm.cfg.lora_targets)
-    assert {k for k in changed if k.startswith("model.")} == \
-        {k for k in saved if k.startswith("model.") and k.endswith(targets)}
-    assert any(k.startswith("visual.") for k in changed) == (not freeze_vision)
+    vision = ("visual.", "model.visual.")  # Qwen2-VL / Qwen2.5-VL checkpoints, Qwen3-VL's
+    text = {k for k in saved if k.startswith("model.") and not k.startswith(vision)}
+    assert changed & text == {k for k in text if k.endswith(targets)}
+    assert any(k.startswith(vision) for k in changed) == (not freeze_vision)
     # the adapter stays unmerged in the trained model
     assert all(not m.merged for m in vlm.model.modules() if hasattr(m, "merged"))
 
