@@ -97,7 +97,8 @@ class VLMVideoConfig:
     max_frames: int = 16
     """Most frames per video."""
     frame_multiple: int = ranged(2, low=1)
-    """The frame count is rounded to a multiple of this (Qwen2-VL merges 2 frames per temporal patch)."""
+    """The frame count is rounded to a multiple of this; a multiple of the model's temporal patch (the Qwen2-VL
+    family merges 2 frames into one)."""
     max_pixels: int = 128
     """Per-frame pixel budget in units of 28x28 pixels (128 -> 128*28*28 pixels)."""
     min_pixels: int = ranged(4, low=1)

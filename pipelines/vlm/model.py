@@ -234,6 +234,13 @@ class VLMModel:
         image = self.processor.image_processor
         return image.patch_size * image.merge_size
 
+    @property
+    def temporal_patch_size(self) -> int:
+        """Frames the vision tower merges into one temporal patch (2 for the Qwen2-VL family; 1 without a video
+        processor); ``video.frame_multiple`` must be a multiple of it."""
+        video = getattr(self.processor, "video_processor", None)
+        return int(getattr(video, "temporal_patch_size", 1) or 1)
+
     def prompt_inputs(self, text: str, images: list[torch.Tensor], videos: list[torch.Tensor],
                       video_fps: list[float] | None = None) -> dict[str, torch.Tensor]:
         """Chat-template one user turn plus the assistant prompt, and run the processor at the given sizes (each side

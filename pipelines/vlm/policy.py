@@ -169,6 +169,10 @@ class VLMPolicy(Policy):
             raise ConfigError(f"video.size_factor: {cfg.video.size_factor} px does not match {cfg.model.path}, whose "
                               f"vision tokens cover {self.vlm.size_factor} px (patch x merge): set "
                               f"video.size_factor={self.vlm.size_factor}")
+        if cfg.video.frame_multiple % self.vlm.temporal_patch_size:  # Qwen2-VL would pad, Qwen3-VL refuses 1 frame
+            raise ConfigError(f"video.frame_multiple: {cfg.video.frame_multiple} is not a multiple of the "
+                              f"{self.vlm.temporal_patch_size} frames {cfg.model.path} merges per temporal patch: "
+                              f"set video.frame_multiple={self.vlm.temporal_patch_size}")
         self.model = self.vlm.model
         trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.care_reference = EMA(trainable, cfg.care.ema_decay, "cpu" if cfg.care.offload else None) \

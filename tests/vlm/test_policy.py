@@ -507,6 +507,9 @@ def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
         VLMPolicy(config(tmp_path, overrides=("data.type_instructions={mcq: ' Letter only.'}",)))
     with pytest.raises(ConfigError, match=r"video.size_factor: 28 px .*tiny:qwen3_vl.* set video.size_factor=32"):
         VLMPolicy(config(tmp_path, overrides=("model.path=tiny:qwen3_vl",)))  # 16-px patches, merged 2 x 2
+    with pytest.raises(ConfigError, match=r"video.frame_multiple: 3 is not a multiple of the 2 frames .* set "
+                                          r"video.frame_multiple=2"):  # a partial temporal patch
+        VLMPolicy(config(tmp_path, overrides=("video.frame_multiple=3",)))
     # checked on the configured value: on CPU flash_attention_2 would fall back to sdpa and hide the clash
     with pytest.raises(ConfigError, match="model.attn_implementation"):
         VLMPolicy(config(tmp_path, overrides=("model.attn_implementation=flash_attention_2", "prefix_grouper=true")))
