@@ -20,12 +20,12 @@ def read_prompt_file(path: str, key: str) -> list[dict]:
     if not file.is_file():
         raise ConfigError(f"bad value for '{key}': prompt file not found: {file}{cwd_hint(file)}")
     try:
-        text = file.read_text(encoding="utf-8")
+        text = file.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) is not prompt text
     except UnicodeDecodeError as err:
         raise ConfigError(f"bad value for '{key}': {file} is not UTF-8 text ({err.reason} at byte "
                           f"{err.start})") from err
     comments = file.suffix != ".jsonl"
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1)
+    lines = [(n, line) for n, line in enumerate(text.split("\n"), start=1)  # JSON strings may hold U+2028
              if line.strip() and not (comments and line.strip().startswith("#"))]
     if file.suffix == ".jsonl":
         items = [_jsonl_item(line, n, file, key) for n, line in lines]  # unstripped: JSON columns stay right

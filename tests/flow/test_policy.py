@@ -394,6 +394,11 @@ def test_prompt_sources(tmp_path):
     txt.write_text("a red ball\n\n  # a comment\n  a blue ball \n")
     train, held_out = prompt_datasets(str(txt), None, 1)
     assert train == [{"prompt": "a red ball"}, {"prompt": "a blue ball"}] and held_out == train[:1]
+    txt.write_text("\ufeffa red ball\r\na blue ball\r\n", newline="")  # a BOM and CRLF, as Windows editors save
+    assert prompt_datasets(str(txt), None, 1)[0] == [{"prompt": "a red ball"}, {"prompt": "a blue ball"}]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('\ufeff{"prompt": "a red\u2028ball"}\n', encoding="utf-8")
+    assert prompt_datasets(str(jsonl), None, 1)[0] == [{"prompt": "a red\u2028ball"}]
     with pytest.raises(ConfigError, match="'data.eval_prompts'.*not found"):
         prompt_datasets(str(txt), str(tmp_path / "missing.txt"), 4)
     with pytest.raises(ConfigError, match=r"^bad value for 'data.train_prompts': unknown task 'no_such_task' "
