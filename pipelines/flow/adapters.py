@@ -582,9 +582,11 @@ class FlowAdapter:
                        state_dict: dict[str, Tensor] | None = None) -> None:
         """Write the trained weights (safetensors) for stock diffusers, one file or folder per trained part.
 
-        LoRA: ``directory/pytorch_lora_weights.safetensors`` (``transformer``; other parts:
-        :func:`lora_weight_name`) via the pipeline class's ``save_lora_weights``, with the LoRA config (rank,
-        alpha) as metadata, so ``pipe.load_lora_weights(directory)`` reproduces the adapter. Full fine-tune: a
+        LoRA: ``pytorch_lora_weights.safetensors`` in :func:`lora_folder` (``directory`` for ``transformer``,
+        ``directory/<part>`` for another) via the pipeline class's ``save_lora_weights``, with the LoRA config
+        (rank, alpha) as metadata, so ``pipe.load_lora_weights(directory)`` reproduces the adapter (and
+        ``load_lora_weights(directory / "transformer_2", load_into_transformer_2=True)`` Wan2.2's second expert's).
+        Full fine-tune: a
         ``directory/<part>`` folder (``directory/transformer``) that ``from_pretrained`` loads. ``transformer`` is
         the unwrapped module to save (default: :attr:`transformer`); ``state_dict`` is its gathered full state
         dict when the trained module is sharded (FSDP / ZeRO-3), whose own tensors are then only shards."""
@@ -606,8 +608,8 @@ class FlowAdapter:
 
         lora = get_peft_model_state_dict(part, state_dict=state_dict)
         type(self.pipe).save_lora_weights(
-            directory, transformer_lora_layers={k: v.detach().contiguous() for k, v in lora.items()},
-            weight_name=lora_weight_name(name), safe_serialization=True,
+            lora_folder(directory, name), transformer_lora_layers={k: v.detach().contiguous() for k, v in lora.items()},
+            weight_name=LORA_WEIGHT_NAME, safe_serialization=True,
             transformer_lora_adapter_metadata=part.peft_config["default"].to_dict(),
         )
 
@@ -615,7 +617,7 @@ class FlowAdapter:
         """Load weights written by :meth:`save_trainable` into :attr:`transformer`, in place."""
         for name, part, _ in self._split_trained(self.transformer, None):
             if self.is_lora:
-                self._load_lora(Path(directory) / lora_weight_name(name), part)
+                self._load_lora(lora_folder(Path(directory), name) / LORA_WEIGHT_NAME, part)
             else:
                 saved = type(part).from_pretrained(Path(directory) / name, dtype=torch.float32)
                 part.load_state_dict(saved.state_dict())
@@ -634,10 +636,12 @@ class FlowAdapter:
         set_peft_model_state_dict(part, state)
 
 
-def lora_weight_name(part: str) -> str:
-    """LoRA file of a trained part: diffusers' default name for ``transformer`` (what ``pipe.load_lora_weights(dir)``
-    picks), ``pytorch_lora_weights_<part>.safetensors`` for another (Wan2.2's ``transformer_2``)."""
-    return LORA_WEIGHT_NAME if part == "transformer" else f"pytorch_lora_weights_{part}.safetensors"
+def lora_folder(directory: Path, part: str) -> Path:
+    """Folder of a trained part's LoRA file (``pytorch_lora_weights.safetensors``): ``directory`` for
+    ``transformer``, what ``pipe.load_lora_weights(directory)`` reads; ``directory/<part>`` for another (Wan2.2's
+    ``transformer_2``), out of the way of diffusers' guess of the file when only that part is trained, which would
+    load it into ``transformer``."""
+    return directory if part == "transformer" else directory / part
 
 
 def _save_full(folder: Path, part: nn.Module, state_dict: dict[str, Tensor] | None) -> None:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import UMT5Config, UMT5EncoderModel
 
 from mmgrpo.config import ConfigError, load_config
-from mmgrpo.pipelines.flow.adapters import WanExperts, load_adapter, lora_weight_name
+from mmgrpo.pipelines.flow.adapters import LORA_WEIGHT_NAME, WanExperts, load_adapter
 from mmgrpo.pipelines.flow.config import FlowModelConfig
 from mmgrpo.pipelines.flow.policy import FlowPolicy
 from mmgrpo.pipelines.flow.tiny import T5_DIM, _t5_kwargs, t5_tokenizer
@@ -259,16 +259,15 @@ def test_lora_of_both_experts_loads_in_stock_diffusers_and_back(lora, folders, t
         ad.save_trainable(tmp_path / "gathered", state_dict=ad.transformer.state_dict())  # as under FSDP
         trained = [p.detach().clone() for p in trainable(ad)]
         want = {n: expert(ad.parts[n], x, t, e.cond) for n in ad.parts}
-    files = {lora_weight_name("transformer"), lora_weight_name("transformer_2")}
-    assert {p.name for p in (tmp_path / "lora").iterdir()} == files
+    files = {LORA_WEIGHT_NAME, f"transformer_2/{LORA_WEIGHT_NAME}"}
+    assert {str(p.relative_to(tmp_path / "lora")) for p in (tmp_path / "lora").rglob("*.safetensors")} == files
     for name in files:
         assert_same_tensors(tmp_path / "lora" / name, tmp_path / "gathered" / name)
 
     pipe = WanPipeline.from_pretrained(folders["a14b"], dtype=torch.float32)
     base = expert(pipe.transformer_2, x, t, e.cond)
     pipe.load_lora_weights(tmp_path / "lora")  # diffusers' default file: the high-noise expert
-    pipe.load_lora_weights(tmp_path / "lora", weight_name=lora_weight_name("transformer_2"),
-                           load_into_transformer_2=True)
+    pipe.load_lora_weights(tmp_path / "lora" / "transformer_2", load_into_transformer_2=True)
     assert not torch.allclose(base, want["transformer_2"], atol=1e-3)
     for name in ad.parts:
         torch.testing.assert_close(expert(getattr(pipe, name), x, t, e.cond), want[name], rtol=1e-5, atol=1e-5)
@@ -276,6 +275,25 @@ def test_lora_of_both_experts_loads_in_stock_diffusers_and_back(lora, folders, t
     with restored(ad):
         ad.load_trainable(tmp_path / "lora")
         assert all(torch.equal(p, q) for p, q in zip(trainable(ad), trained))
+
+
+def test_lora_of_the_low_noise_expert_alone_cannot_load_into_the_high_noise_one(folders, tmp_path):
+    """With only transformer_2 trained, its file sits in transformer_2/: a plain load_lora_weights(dir) finds no
+    file (diffusers would otherwise take the only .safetensors there for transformer) and the subfolder loads."""
+    ad = load_adapter(cfg_of(folders["a14b"]), train_experts="low")
+    x, e = latents(ad, 1), ad.encode(["low only"], "", 1.0)
+    t = ad.timestep(torch.tensor([0.3]))
+    with perturbed(ad, seed=7):
+        ad.save_trainable(tmp_path)
+        want = expert(ad.parts["transformer_2"], x, t, e.cond)
+    assert [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.safetensors")] == \
+        [f"transformer_2/{LORA_WEIGHT_NAME}"]
+    pipe = WanPipeline.from_pretrained(folders["a14b"], dtype=torch.float32)
+    with pytest.raises((OSError, ValueError)):
+        pipe.load_lora_weights(tmp_path)
+    pipe.load_lora_weights(tmp_path / "transformer_2", load_into_transformer_2=True)
+    torch.testing.assert_close(expert(pipe.transformer_2, x, t, e.cond), want, rtol=1e-5, atol=1e-5)
+    assert not any("lora" in n for n, _ in pipe.transformer.named_parameters())
 
 
 def test_full_fine_tune_of_both_experts_saves_two_loadable_folders(folders, tmp_path):
