@@ -195,7 +195,8 @@ class TrainConfig:
     overrides the launcher's. Log-prob math always runs in fp32."""
     ema_decay: float = ranged(0.0, low=0, high=1, high_open=True)
     """Keep an exponential moving average of the trainable weights with this decay (0 disables). The EMA weights
-    are saved next to the raw ones and used by eval and sample."""
+    are saved next to the raw ones (``checkpoints/step-N/policy_ema/``, in the format of ``policy/``) and used by
+    eval and sample."""
     save_every: int = ranged(50, low=0)
     """Save a checkpoint every this many optimiser steps (and always at the end); 0 saves only at the end."""
     keep_last: int = ranged(2, low=0)

@@ -153,9 +153,13 @@ class Trainer:
     # ----------------------------------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
         """Save the policy in its user-facing format instead of accelerate's full model dump (a LoRA run saves the
-        adapter, not the frozen base), plus the EMA shadows. Runs on every process: gathering sharded weights
-        (FSDP, DeepSpeed ZeRO-3) is collective; only the main process writes."""
+        adapter, not the frozen base), plus the EMA shadows, and the EMA weights in the same user-facing format
+        (``policy_ema/``: what eval and sample use). Runs on every process: gathering sharded weights (FSDP,
+        DeepSpeed ZeRO-3) is collective; only the main process writes."""
         self.policy.save(Path(output_dir) / "policy")
+        if self.ema is not None:  # never sharded (refused at start-up)
+            with self.ema.swapped_in():
+                self.policy.save(Path(output_dir) / "policy_ema")
         if self.accelerator.is_main_process:
             if self.ema is not None:
                 save_file(self.ema.state_dict(), str(Path(output_dir) / "ema.safetensors"))

@@ -144,6 +144,8 @@ def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
     with trainer.ema.swapped_in():
         torch.testing.assert_close(trainer.policy.model.weight.detach(), ema["weight"])
     torch.testing.assert_close(trainer.policy.model.weight.detach(), raw["weight"])
+    exported = load_file(str(ckpt / "policy_ema" / "model.safetensors"))  # the user-facing copy of the average
+    torch.testing.assert_close(exported["weight"], ema["weight"], rtol=0, atol=0)
     # eval and sample load the averaged weights of the checkpoint
     loaded, found = _policy_and_weights(toy(tmp_path, "train.ema_decay=0.9", "resume=latest"))
     assert found == ckpt
