@@ -49,6 +49,13 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     return path
 
 
+def newer_checkpoint(run_dir: Path, step: int) -> Path | None:
+    """The newest complete checkpoint of ``run_dir`` past ``step``, or None. Resuming from ``step`` into that run
+    directory would mix two runs: their metrics, and checkpoints that ``resume=latest`` and pruning would pick."""
+    later = [path for n, path in checkpoint_dirs(run_dir) if n > step]
+    return later[-1] if later else None
+
+
 def checkpoint_hint(path: str | os.PathLike) -> str:
     """The end of a model-loading error for a ``model.path`` that is an mmgrpo checkpoint (``step-N``) or its
     ``policy`` folder: the weights in it load onto the run's base model through ``resume``, so name both. Empty
@@ -108,14 +115,16 @@ def finalize(tmp: Path, state: dict[str, Any]) -> Path:
         f.flush()
         os.fsync(f.fileno())  # the state is on disk before the rename makes the checkpoint visible
     final = tmp.parent / tmp.name.removeprefix(".tmp-")
-    if final.exists():
-        shutil.rmtree(final)
+    replaced = tmp.parent / f".old-{final.name}"
+    if final.exists():  # the same step saved again: set the old one aside, delete it once the new one is in place
+        final.rename(replaced)
     tmp.rename(final)
     directory = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # and so is the rename
     finally:
         os.close(directory)
+    shutil.rmtree(replaced, ignore_errors=True)
     return final
 
 
@@ -124,11 +133,11 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and stale temporary folders."""
+    """Delete all but the newest ``keep_last`` complete checkpoints, and stale temporary and set-aside folders."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return
-    for child in root.glob(".tmp-step-*"):
+    for child in [*root.glob(".tmp-step-*"), *root.glob(".old-step-*")]:
         shutil.rmtree(child, ignore_errors=True)
     if keep_last > 0:
         for _, path in checkpoint_dirs(run_dir)[:-keep_last]:

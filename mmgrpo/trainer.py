@@ -211,7 +211,7 @@ class Trainer:
             raise
         except Exception as err:
             earlier = [p for _, p in checkpoint.checkpoint_dirs(self.run_dir) if p.resolve() != path.resolve()]
-            hint = f"; resume={earlier[-1]} resumes from the one before" if earlier else ""
+            hint = f"; with it moved away, resume={earlier[-1]} resumes from the one before" if earlier else ""
             first = (str(err).strip().splitlines() or [""])[0]
             raise ConfigError(f"bad value for 'resume': checkpoint {path} cannot be read ({type(err).__name__}: "
                               f"{first}){hint}") from err
@@ -659,6 +659,11 @@ class Trainer:
                 acc.print(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting a fresh run")
         else:
             self.check_resumed_config(resume_from)
+            newer = checkpoint.newer_checkpoint(self.run_dir, checkpoint.read_state(resume_from)["step"])
+            if newer is not None:
+                raise ConfigError(f"bad value for 'resume': {resume_from} is older than {newer} in this output_dir; "
+                                  "going back would mix the two runs' metrics and checkpoints: move the newer "
+                                  "checkpoints away, or resume into a new output_dir")
         if acc.is_main_process:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))

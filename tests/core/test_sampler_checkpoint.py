@@ -51,6 +51,7 @@ def test_latest_ignores_partial_checkpoints_and_prune_keeps_newest(tmp_path):
         (d / checkpoint.STATE_FILE).write_text(json.dumps({"step": step}))
     (root / "step-8").mkdir()                  # renamed but without state: impossible through finalize
     (root / ".tmp-step-10").mkdir()            # a write that was interrupted
+    (root / ".old-step-6").mkdir()             # a replaced step-6 set aside, not deleted yet
     assert checkpoint.resolve_resume("latest", tmp_path) == root / "step-6"
     assert checkpoint.resolve_resume(None, tmp_path) is None
     checkpoint.prune(tmp_path, keep_last=2)
@@ -64,3 +65,8 @@ def test_finalize_is_a_rename(tmp_path):
     final = checkpoint.finalize(tmp, {"step": 3})
     assert final.name == "step-3" and not tmp.exists() and (final / "weights").read_text() == "w"
     assert checkpoint.read_state(final) == {"step": 3}
+    again = checkpoint.temporary_dir(tmp_path, 3)  # the same step saved again replaces it
+    again.mkdir()
+    (again / "weights").write_text("w2")
+    assert checkpoint.finalize(again, {"step": 3}) == final and (final / "weights").read_text() == "w2"
+    assert sorted(p.name for p in final.parent.iterdir()) == ["step-3"]  # the old one set aside, then deleted

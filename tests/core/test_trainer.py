@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from ports import free_port
 from safetensors.torch import load_file
 from toy_bandit import ToyConfig
 
+from mmgrpo.checkpoint import checkpoint_dirs
 from mmgrpo.cli import _policy_and_weights
 from mmgrpo.config import ConfigError, load_config
 from mmgrpo.policy import (
@@ -493,10 +495,26 @@ def test_resume_applies_a_changed_optimiser_config(tmp_path, capsys):
 def test_an_unreadable_checkpoint_is_one_line_naming_it_and_the_one_before(tmp_path):
     Trainer(toy(tmp_path, "train.max_steps=4", "train.save_every=2", "train.keep_last=0")).train()
     (tmp_path / "checkpoints" / "step-4" / "policy" / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(ConfigError, match=r"'resume': checkpoint .*step-4 cannot be read \(.*\); resume=.*step-2 "
-                                          "resumes from the one before") as err:
+    with pytest.raises(ConfigError, match=r"'resume': checkpoint .*step-4 cannot be read \(.*\); with it moved "
+                                          r"away, resume=.*step-2 resumes from the one before") as err:
         Trainer(toy(tmp_path, "train.max_steps=5", "resume=latest")).train()
     assert "\n" not in str(err.value)
+
+
+def test_resuming_from_an_older_checkpoint_of_the_run_is_refused_and_loses_nothing(tmp_path):
+    """Going back to step-2 while step-4 is in the output_dir would mix two runs: metrics rows 3-4 of one with those
+    of the other, and a step-4 that resume=latest and pruning would then pick over the new run's."""
+    Trainer(toy(tmp_path, "train.max_steps=4", "train.save_every=2", "train.keep_last=0")).train()
+    old = tmp_path / "checkpoints" / "step-2"
+    with pytest.raises(ConfigError, match=rf"^bad value for 'resume': {re.escape(str(old))} is older than "
+                                          r".*step-4 in this output_dir; .*move the newer checkpoints away"):
+        Trainer(toy(tmp_path, "train.max_steps=3", f"resume={old}")).train()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [p.name for _, p in checkpoint_dirs(tmp_path)] == ["step-2", "step-4"]
+    shutil.move(tmp_path / "checkpoints" / "step-4", tmp_path / "step-4-kept")  # the way out the message names
+    history = Trainer(toy(tmp_path, "train.max_steps=3", f"resume={old}")).train()
+    assert history[-1]["step"] == 3
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_ctrl_c_finishes_the_step_saves_and_resumes(tmp_path, support_env):
