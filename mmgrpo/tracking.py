@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,12 @@ class MetricsLog:
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
         else:
             kept = []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        fresh = self.path.with_name(".metrics.jsonl.tmp")  # a failed write (a full disk) leaves the old file whole
+        with open(fresh, "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(fresh, self.path)
         self.file = self.path.open("a")
         self.tb = None
         if tensorboard and importlib.util.find_spec("tensorboard") is not None:

@@ -1,6 +1,10 @@
 """Run logging beyond metrics.jsonl: tensorboard event files and an offline wandb run (both in the dev extra), and
 the summary table."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 from toy_bandit import ToyConfig
 
@@ -27,6 +31,24 @@ def test_tensorboard_gets_every_scalar_of_a_run(tmp_path):
         logged = [(e.step, e.value) for e in events.Scalars(key)]
         assert [s for s, _ in logged] == [1, 2, 3]
         assert [v for _, v in logged] == pytest.approx([r[key] for r in rows], rel=1e-6, abs=1e-12)
+
+
+def test_a_resume_that_cannot_rewrite_metrics_leaves_them_whole(tmp_path):
+    """Resuming at step 80 rewrites metrics.jsonl to its first 80 rows. When that write fails (here a 4 KiB file
+    size limit, as a full disk would), the 100 rows are still there; a working resume keeps the first 80."""
+    rows = [{"step": i, "reward/mean": 0.1 * i, "pad": "x" * 200} for i in range(1, 101)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    script = ("import resource, signal, sys; from pathlib import Path; from mmgrpo.tracking import MetricsLog\n"
+              "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))\n"
+              "try:\n    MetricsLog(Path(sys.argv[1]), {}, False, False, 'p', resume_step=80)\n"
+              "except OSError as err:\n    print(type(err).__name__)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "OSError"
+    assert read_metrics(tmp_path / "metrics.jsonl") == rows
+    MetricsLog(tmp_path, {}, False, False, "p", resume_step=80).close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == rows[:80]
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
 
 
 def test_wandb_offline_run_gets_config_steps_and_summary(tmp_path, monkeypatch):
