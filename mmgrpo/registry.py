@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -121,6 +122,8 @@ class Registry:
         self.entry_point_group = entry_point_group
         self.builtin_modules = builtin_modules
         self._entries: dict[str, Entry] = {}
+        self._broken: dict[str, str] = {}
+        """Entry points that failed to load: name -> why (raised when that name is asked for)."""
         self._loaded = False
 
     def register(self, name: str, obj: Any = None, **info: Any) -> Any:
@@ -137,14 +140,21 @@ class Registry:
     def _load(self) -> None:
         if self._loaded:
             return
-        self._loaded = True
         for module in self.builtin_modules:
             importlib.import_module(module)
         if self.entry_point_group:
             for ep in metadata.entry_points(group=self.entry_point_group):
-                if ep.name not in self._entries:
+                if ep.name in self._entries:
+                    continue
+                try:
                     obj = ep.load()
-                    self._entries[ep.name] = Entry(ep.name, obj, {**plugin_info(obj), "source": f"entry point {ep.value}"})
+                except Exception as err:  # noqa: BLE001 (a broken plug-in must not stop runs that do not use it)
+                    why = f"entry point {ep.name} = {ep.value} cannot be loaded: {_error_text(err)}"
+                    self._broken[ep.name] = why
+                    warnings.warn(f"{self.kind} {why}; skipped", RuntimeWarning, stacklevel=3)
+                    continue
+                self._entries[ep.name] = Entry(ep.name, obj, {**plugin_info(obj), "source": f"entry point {ep.value}"})
+        self._loaded = True
 
     def entry(self, name: str) -> Entry:
         """The entry for a registered name, or a synthetic one for ``package.module:attribute``."""
@@ -152,6 +162,8 @@ class Registry:
             obj = import_path(name)
             return Entry(name, obj, plugin_info(obj))
         self._load()
+        if name in self._broken and name not in self._entries:
+            raise RegistryError(f"{self.kind} '{name}': {self._broken[name]}")
         if name not in self._entries:
             close = difflib.get_close_matches(name, list(self._entries), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""

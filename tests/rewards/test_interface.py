@@ -10,8 +10,8 @@ import torch
 
 from mmgrpo.cli import main as cli_main
 from mmgrpo.config import ConfigError, RewardSpec
-from mmgrpo.registry import REWARDS
-from mmgrpo.rewards import FunctionReward, RewardBatch, RewardZoo, build_reward
+from mmgrpo.registry import REWARDS, RegistryError
+from mmgrpo.rewards import FunctionReward, Reward, RewardBatch, RewardZoo, build_reward
 from mmgrpo.rewards.base import is_trl_signature
 from mmgrpo.rewards.zoo import RewardError
 
@@ -208,6 +208,25 @@ def plugin_package(tmp_path, monkeypatch):
     monkeypatch.setattr(metadata, "entry_points", entry_points)
     monkeypatch.setattr(REWARDS, "_entries", dict(REWARDS._entries))
     monkeypatch.setattr(REWARDS, "_loaded", False)
+
+
+def test_a_broken_entry_point_is_skipped_with_a_warning_and_named_when_asked_for(monkeypatch, capsys):
+    """A plug-in whose module does not import must not stop `mmgrpo rewards` or a run that uses other rewards; asked
+    for by name, it is a one-line error that says why."""
+    broken = metadata.EntryPoint("plugin_broken", "no_such_plugin_module_xyz:reward", "mmgrpo.rewards")
+    original = metadata.entry_points
+    monkeypatch.setattr(metadata, "entry_points", lambda **selection: [broken] if selection.get(
+        "group") == "mmgrpo.rewards" else original(**selection))
+    monkeypatch.setattr(REWARDS, "_entries", dict(REWARDS._entries))
+    monkeypatch.setattr(REWARDS, "_broken", {})
+    monkeypatch.setattr(REWARDS, "_loaded", False)
+    with pytest.warns(RuntimeWarning, match=r"reward entry point plugin_broken = no_such_plugin_module_xyz:reward "
+                                            r"cannot be loaded: ModuleNotFoundError: .*; skipped"):
+        assert cli_main(["rewards"]) == 0
+    assert re.search(r"│ format .*│ built-in +│", capsys.readouterr().out)
+    assert isinstance(build_reward("format"), Reward)
+    with pytest.raises(RegistryError, match=r"reward 'plugin_broken': entry point .* ModuleNotFoundError"):
+        build_reward("plugin_broken")
 
 
 def test_entry_point_rewards_keep_kind_and_modality(plugin_package, capsys):
