@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,6 +368,23 @@ def check_key(key: str, schema: type) -> None:
     raise ConfigError(f"unknown key '{key}'{_closest(key, list(keys))}")
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-3`` and ``5E+2`` as floats as YAML 1.2 (and OmegaConf) do: YAML 1.1 keeps a
+    number without a dot as a string, which in a free-form mapping (a reward's ``args``) stays one."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """YAML text as Python values, read with :class:`ConfigLoader`."""
+    return yaml.load(text, Loader=ConfigLoader)
+
+
 def read_preset(path: str | os.PathLike, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a YAML preset and merge its ``base:`` chain (a path or list of paths, relative to the file).
 
@@ -380,7 +398,7 @@ def read_preset(path: str | os.PathLike, chain: tuple[Path, ...] = ()) -> dict[s
         cycle = [*chain[resolved.index(path.resolve()):], path]
         raise ConfigError(f"'base:' cycle in presets: {' -> '.join(map(str, cycle))}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as err:
         raise ConfigError(f"cannot parse {path}: {' '.join(str(err).split())}") from err
     if not isinstance(data, dict):
@@ -440,7 +458,7 @@ def parse_override(key: str, value: str, schema: type) -> Any:
     if tp is str or tp == (str | None):
         return None if value in ("null", "None", "~") and tp != str else value
     try:
-        return yaml.safe_load(value) if value != "" else ""
+        return load_yaml(value) if value != "" else ""
     except yaml.YAMLError as err:
         raise ConfigError(f"bad value for '{key}': cannot parse '{value}' ({' '.join(str(err).split())})") from err
 

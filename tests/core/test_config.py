@@ -170,6 +170,20 @@ def test_reward_args_are_checked_against_the_reward(tmp_path):
         load_config(preset, ["rewards.0.args.think_tg=x"])
 
 
+def test_exponent_numbers_are_floats_in_free_form_args_too(tmp_path):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string: typed keys convert it, a reward's free-form args would not."""
+    preset = tmp_path / "p.yaml"
+    preset.write_text("pipeline: toy_bandit:PIPELINE\noptim: {lr: 5e-4}\n"
+                      "rewards: [{name: sharpness, args: {saturate_at: 1e-3}}]\n")
+    cfg = load_config(preset)
+    assert cfg.optim.lr == 5e-4 and cfg.rewards[0].args == {"saturate_at": 1e-3}
+    assert load_config(preset, ["rewards.0.args.saturate_at=2E-3"]).rewards[0].args == {"saturate_at": 2e-3}
+    text = load_config(preset, ["output_dir=1e-3"])  # a string field that looks like a number stays a string
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(to_yaml(text))
+    assert load_config(saved).output_dir == "1e-3"
+
+
 def test_resolved_config_round_trips(tmp_path):
     preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "seed": 11})
     cfg = load_config(preset, ["train.max_steps=9"])
