@@ -502,6 +502,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), schem
     except (TypeError, IndexError, KeyError) as err:
         raise ConfigError(f"cannot apply overrides {[k for k, _ in pairs]}: {err}") from err
     validate(obj)
+    obj.output_dir = os.path.expanduser(obj.output_dir)  # ~/runs/x is in the home folder, as in a shell
+    if obj.resume not in (None, "", "latest"):
+        obj.resume = os.path.expanduser(obj.resume)
     return obj
 
 

@@ -184,6 +184,14 @@ def test_exponent_numbers_are_floats_in_free_form_args_too(tmp_path):
     assert load_config(saved).output_dir == "1e-3"
 
 
+def test_output_dir_and_resume_paths_expand_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "output_dir": "~/runs/x"})
+    cfg = load_config(preset, ["resume=~/runs/old/checkpoints/step-2"])
+    assert cfg.output_dir == f"{tmp_path}/runs/x" and cfg.resume == f"{tmp_path}/runs/old/checkpoints/step-2"
+    assert load_config(preset, ["resume=latest"]).resume == "latest"
+
+
 def test_resolved_config_round_trips(tmp_path):
     preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "seed": 11})
     cfg = load_config(preset, ["train.max_steps=9"])
