@@ -69,6 +69,10 @@ def run_bench(name: str, out: str | None, threads: int | None = None,
     if only and not inspect.signature(suite).parameters:
         raise ValueError(f"benchmark '{name}' always runs all its cases; --only is for a suite that selects "
                          "(learning)")
+    if out:  # checked before the minutes of measuring, whose results would be lost
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        if Path(out).is_dir() or not os.access(Path(out).parent, os.W_OK):
+            raise ValueError(f"--out {out}: cannot write a file there")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
@@ -88,7 +92,6 @@ def run_bench(name: str, out: str | None, threads: int | None = None,
     for key, value in figures.items():
         console.print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(finite_or_null(result), indent=2, allow_nan=False))
         console.print(f"wrote {out}")
     return result

@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, RegistryError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, FileExistsError) as err:
+    except OSError as err:  # a missing file, an output_dir under a file, a full disk: one line
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RunError as err:

@@ -7,8 +7,10 @@ Everything model-specific is behind :class:`mmgrpo.policy.Policy`; everything ma
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
+import os
 import shutil
 import signal
 import threading
@@ -75,6 +77,16 @@ def make_accelerator(cfg: BaseConfig) -> Accelerator:
     return acc
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """Raise the OSError that making ``run_dir`` would raise (a file on its path, a folder without write access),
+    without making it."""
+    existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"output_dir {run_dir} is under a file", str(existing))
+    if existing != run_dir and not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"output_dir {run_dir} cannot be made", str(existing))
+
+
 def configure_deepspeed(plugin: DeepSpeedPlugin, cfg: BaseConfig) -> None:
     """Fill the DeepSpeed config from the run's, before ``prepare``, replacing the launcher file's values:
     ``gradient_clipping`` = ``optim.max_grad_norm`` (0 = none; under DeepSpeed the engine clips, and accelerate's
@@ -90,6 +102,7 @@ class Trainer:
     def __init__(self, cfg: BaseConfig, policy: Policy | None = None, accelerator: Accelerator | None = None):
         self.cfg = cfg
         self.run_dir = Path(cfg.output_dir)
+        check_run_dir(self.run_dir)  # before the model loads
         self.accelerator = accelerator or make_accelerator(cfg)
         acc = self.accelerator
         if cfg.num_threads:

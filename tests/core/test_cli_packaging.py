@@ -68,6 +68,28 @@ def test_unknown_bench_exits_2_and_lists_suites():
     assert proc.returncode == 2 and "no-such-suite" in proc.stderr
 
 
+def test_unusable_output_paths_are_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    """An output_dir under a file stops before the model loads; a bench --out that is a folder stops before the
+    suite runs (whose minutes of results would be lost)."""
+    from mmgrpo.bench import BENCHES
+    from mmgrpo.cli import main
+
+    (tmp_path / "afile").write_text("x")
+    preset = tmp_path / "p.yaml"
+    preset.write_text("pipeline: toy_bandit:PIPELINE\n")
+    assert main(["train", str(preset), f"output_dir={tmp_path}/afile/run", "logging.progress=false"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(r"error: \[Errno 20\] output_dir .*afile/run is under a file: .*afile'$",
+                                      err[0]), err
+    assert not (tmp_path / "afile").is_dir()
+    ran = []
+    monkeypatch.setattr(BENCHES, "_entries", dict(BENCHES._entries))
+    BENCHES.register("probe", lambda: ran.append(1) or ([], {}))
+    assert main(["bench", "probe", "--out", str(tmp_path)]) == 2 and not ran
+    assert capsys.readouterr().err.strip() == f"--out {tmp_path}: cannot write a file there"
+    assert main(["bench", "probe", "--out", str(tmp_path / "new" / "P.json")]) == 0 and ran == [1]
+
+
 def test_every_package_folder_is_listed_in_pyproject():
     """setuptools installs only the listed packages in a non-editable install; a new sub-package must be added."""
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
