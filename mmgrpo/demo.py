@@ -245,13 +245,15 @@ def val_source(spec: DemoSpec) -> str:
     return "unseen prompts" if spec.val_file else "training prompts"
 
 
-DEMO_OUTPUTS = ("demo.json", "report.md")
+DEMO_MARKER = ".mmgrpo-demo"
+"""Written first into a demo's output folder, so that a demo stopped before its report can still be cleared."""
+DEMO_OUTPUTS = (DEMO_MARKER, "demo.json", "report.md")
 """Files that mark a folder as an earlier demo's output, which a new run may clear."""
 
 
 def check_clearable(out: Path) -> None:
     """Raise FileExistsError naming ``out`` unless it is missing, an empty folder, or an earlier demo's output
-    (:data:`DEMO_OUTPUTS`): the folders :func:`clear_output_dir` may clear."""
+    (:data:`DEMO_OUTPUTS`, the marker included): the folders :func:`clear_output_dir` may clear."""
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and
                                              not any((out / name).is_file() for name in DEMO_OUTPUTS))):
         raise FileExistsError(f"refusing to clear {out}: it is not an earlier demo's output (no "
@@ -259,11 +261,13 @@ def check_clearable(out: Path) -> None:
 
 
 def clear_output_dir(out: Path) -> None:
-    """Make ``out`` an empty folder (:func:`check_clearable` first: anything else is left untouched)."""
+    """Make ``out`` an empty demo folder: only :data:`DEMO_MARKER` in it (:func:`check_clearable` first: anything
+    else is left untouched)."""
     check_clearable(out)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    (out / DEMO_MARKER).write_text("written by mmgrpo demo, which clears this folder when it runs again\n")
 
 
 def available_cpus() -> int:

@@ -303,6 +303,9 @@ def test_demo_clears_only_its_own_output(tmp_path, capsys):
     (earlier / "samples.png").write_bytes(b"")
     demo.clear_output_dir(earlier)  # an earlier demo's folder is cleared, and a missing one created
     demo.clear_output_dir(tmp_path / "new")
-    assert list(earlier.iterdir()) == [] and (tmp_path / "new").is_dir()
+    assert [p.name for p in earlier.iterdir()] == [demo.DEMO_MARKER] and (tmp_path / "new").is_dir()
+    (earlier / "run").mkdir()  # a demo stopped before its report: its marker still lets the next one clear it
+    demo.clear_output_dir(earlier)
+    assert [p.name for p in earlier.iterdir()] == [demo.DEMO_MARKER]
     with pytest.raises(FileExistsError, match="refusing to clear"):
         demo.clear_output_dir(precious / "notes.txt")
