@@ -569,9 +569,14 @@ class VLMPolicy(Policy):
         """With sharded parameters, make every forward run the same modules on all processes (FSDP2 shards the
         model in place, which the sampler calls; FSDP1 wraps it): decode in step (:func:`decode`'s ``synced``)
         and, on data that mixes media kinds, balance the vision-tower calls (:class:`VisionCallBalancer`). Under
-        FSDP2, sampling gathers the whole weights once per rollout instead (:meth:`sampling_weights`)."""
+        FSDP2, sampling gathers the whole weights once per rollout instead (:meth:`sampling_weights`). Under DDP
+        with a trainable vision tower, mixed data is balanced too: a process whose micro-batch holds no media would
+        leave the tower without gradients, and DDP's all-reduce would wait for them forever."""
         super().setup(accelerator)
+        calls = calls_to_balance([item["sample"] for item in self.train_items + self.held_items])
         if not self.sharded:
+            if calls and accelerator.num_processes > 1 and not self.cfg.model.freeze_vision:
+                self.vision_balancer = VisionCallBalancer(self.vlm.model, calls)
             return
         if self.care_reference is not None:
             raise ConfigError("bad value for 'care.enabled': the GRPO-CARE reference keeps a whole copy of the "
@@ -580,7 +585,6 @@ class VLMPolicy(Policy):
         if plugin is not None and getattr(plugin, "fsdp_version", 1) != 2:
             raise ConfigError("the vlm pipeline samples through the model itself, which FSDP1 hides inside its "
                               "wrapper: set fsdp_version: 2 in the accelerate config (configs/accelerate/fsdp.yaml)")
-        calls = calls_to_balance([item["sample"] for item in self.train_items + self.held_items])
         if calls:
             self.vision_balancer = VisionCallBalancer(self.vlm.model, calls)
         self.synced = any_process

@@ -1,12 +1,14 @@
-"""The same vision-tower calls on every process when the weights are sharded.
+"""The same vision-tower calls on every process when the weights are sharded, or the tower trains under DDP.
 
 Under FSDP2 or DeepSpeed ZeRO-3 each module gathers its parameters from all processes when it runs (and
 reduce-scatters their gradients in backward), so every process must run the same modules in the same order. A
 Qwen2-VL forward calls its vision tower once for its images and once for its videos, so on data that mixes kinds
 (images, videos, text-only) one process may run the tower twice where another runs it once, and the collectives
-no longer pair up. :class:`VisionCallBalancer` tops every fresh forward (a training forward or a prefill: no KV
-cache yet) up to the same number of tower calls, with a one-token dummy input whose output enters the forward
-times zero: the outputs are unchanged, and backward runs the tower as many times as forward did.
+no longer pair up. Under DDP a trainable tower that one process's forward never ran gets no gradient there, and
+the other processes wait in the all-reduce of its bucket. :class:`VisionCallBalancer` tops every fresh forward (a
+training forward or a prefill: no KV cache yet) up to the same number of tower calls, with a one-token dummy input
+whose output enters the forward times zero: the outputs are unchanged, and backward runs the tower as many times as
+forward did.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ class VisionCallBalancer:
         config = getattr(getattr(core, "config", None), "vision_config", None)
         if len(towers) != 1 or not all(hasattr(config, k) for k in ("spatial_merge_size", "in_channels",
                                                                        "temporal_patch_size", "patch_size")):
-            raise ConfigError(f"bad value for 'data.media_types': with sharded weights, data that mixes media kinds "
-                              f"needs a Qwen2-VL-style vision tower ('visual') to balance its calls, and "
-                              f"{type(core).__name__} has none; keep one kind or launch with DDP or ZeRO-2")
+            raise ConfigError(f"bad value for 'data.media_types': with sharded weights (or a trainable vision tower "
+                              f"on several processes), data that mixes media kinds needs a Qwen2-VL-style vision "
+                              f"tower ('visual') to balance its calls, and {type(core).__name__} has none; keep one "
+                              f"kind, or freeze the tower and launch with DDP or ZeRO-2")
         self.calls = calls
         self.tower = core.get_submodule(towers[0])
         self.pixels, self.grid = dummy_vision_input(config)

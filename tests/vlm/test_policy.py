@@ -515,6 +515,23 @@ def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
         VLMPolicy(config(tmp_path, overrides=("model.attn_implementation=flash_attention_2", "prefix_grouper=true")))
 
 
+def test_two_processes_train_a_vision_tower_on_images_mixed_with_text_only_questions(train_on_two_processes,
+                                                                                     tmp_path):
+    """tiny_image trains the vision tower; with every second question text-only, a step where one process draws
+    only text-only groups used to leave the tower without gradients there, and DDP's all-reduce waited forever
+    (the launch timed out). Balanced tower calls keep the processes in step and their weights identical."""
+    lines = (ROOT / "assets" / "data" / "shapes_qa" / "train.jsonl").read_text().splitlines()[:16]
+    records = [json.loads(line) for line in lines]
+    for record in records[1::2]:
+        del record["path"], record["data_type"]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = train_on_two_processes(ROOT / "configs" / "vlm" / "tiny_image.yaml", "train.max_steps=2",
+                                    "train.prompts_per_step=2", f"data.train_file={mixed}", "data.media_types=[image,text]",
+                                    f"data.root={ROOT / 'assets' / 'data' / 'shapes_qa'}", "grpo.kl_beta=0")
+    assert report["num_processes"] == 2 and report["param_rank_diff"] == 0.0 and report["param_change"] > 0
+
+
 def test_two_processes_train_tgrpo_with_the_prefix_grouper_in_sync(train_on_two_processes):
     """The shipped T-GRPO preset (video, shuffled-frame rollouts, temporal bonus per group, full fine-tune with a
     frozen reference) with the Prefix Grouper under two gloo DDP processes: exactly on-policy, identical weights."""
