@@ -252,9 +252,13 @@ def sharded_parameters(acc: Any) -> bool:
 
 
 def check_even_eval_split(num_items: int, num_processes: int, sharded: bool) -> None:
-    """ConfigError when sharded parameters (``sharded``: FSDP, ZeRO-3) meet held-out items that do not split
-    evenly over the processes: each process samples its share, and with sharded weights every process must run the
-    same forwards."""
+    """ConfigError when a process would get no held-out item (its collectives, a DDP buffer broadcast among them,
+    would pair with another process's evaluation), or when sharded parameters (``sharded``: FSDP, ZeRO-3) meet
+    held-out items that do not split evenly over the processes: each process samples its share, and with sharded
+    weights every process must run the same forwards."""
+    if 0 < num_items < num_processes:  # none at all: no process evaluates
+        raise ConfigError(f"bad value for 'data.num_eval': {num_items} held-out items leave some of the "
+                          f"{num_processes} processes none; use at least {num_processes}")
     if sharded and num_items % num_processes:
         raise ConfigError(f"bad value for 'data.num_eval': {num_items} held-out items do not split evenly over "
                           f"{num_processes} processes, which sharded parameters (FSDP, ZeRO-3) need; use a "

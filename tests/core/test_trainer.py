@@ -96,6 +96,9 @@ def test_sharded_parameters_need_held_out_items_that_split_evenly():
     with pytest.raises(ConfigError, match="'data.num_eval': 10 held-out items do not split evenly over 4 processes"):
         check_even_eval_split(10, 4, sharded=True)
     check_even_eval_split(10, 4, sharded=False)  # DDP: every process holds whole weights
+    with pytest.raises(ConfigError, match=r"'data.num_eval': 1 held-out items leave some of the 2 processes none"):
+        check_even_eval_split(1, 2, sharded=False)  # the idle process's collectives would pair with evaluation's
+    check_even_eval_split(0, 2, sharded=False)  # no evaluation at all
     check_even_eval_split(12, 4, sharded=True)
 
 
