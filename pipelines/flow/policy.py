@@ -241,7 +241,9 @@ class FlowPolicy(Policy):
         """Run N samples; returns (final latents, stored units, NFE). Each step's velocities come from
         :meth:`_chain_velocities`; every trained step's kernel runs on the training micro-batch chunks. A group
         that shares its prefix (:meth:`LinearPlan.shared_steps`) runs it on its first row, whose velocity every
-        member takes, so the members stay identical until their first SDE step."""
+        member takes, so the members stay identical until their first SDE step. With sharded weights every row
+        runs (the members still take the first row's velocity): each process must run the same forwards, and how
+        many rows a shared prefix saves differs between processes."""
         n, u = plan.train_steps.shape
         if plan.shared_noise:
             x = self._initial(n // group_size, generator, repeat=group_size)
@@ -260,7 +262,8 @@ class FlowPolicy(Policy):
             sigma = self.sigmas[i].expand(n).to(self.device)
             sigma_next = self.sigmas[i + 1].expand(n).to(self.device)
             source = torch.where(shared > i, leader, rows)
-            v, uncond, ran = self._chain_velocities(x, sigma, row_embeds, unit_of[:, i] >= 0, source.unique())
+            needed = rows if self.sharded else source.unique()
+            v, uncond, ran = self._chain_velocities(x, sigma, row_embeds, unit_of[:, i] >= 0, needed)
             nfe += ran
             v = v[source]
             nxt = torch.empty_like(x)
@@ -293,12 +296,17 @@ class FlowPolicy(Policy):
         A micro-batch chunk holding a trained row runs whole, CFG as separate forwards: the layout in which
         training replays it (a row's output depends on its position and the batch size). The other needed rows
         run packed into micro-batch chunks. Returns the fp32 velocities (set on those rows), the unconditional
-        velocities of the replayed chunks (None without CFG) and the rows run."""
+        velocities of the replayed chunks (None without CFG) and the rows run. With sharded weights a chunk is
+        replayed when it holds a trained row on any process, so that all run the same forwards."""
         v = torch.zeros_like(x)
         uncond = None
         replayed = torch.zeros(len(x), dtype=torch.bool)
-        for c in self._chunks(len(x)):
-            if bool(trained[c].any()):
+        chunks = self._chunks(len(x))
+        replay = torch.tensor([int(trained[c].any()) for c in chunks], device=self.device)
+        if self.sharded:
+            torch.distributed.all_reduce(replay, op=torch.distributed.ReduceOp.MAX)
+        for c, replay_chunk in zip(chunks, replay.tolist()):
+            if replay_chunk:
                 v[c], part = self._guided(x[c], sigma[c], embeds.select(c), replayed=True)
                 if part is not None:
                     uncond = part.new_zeros(x.shape) if uncond is None else uncond

@@ -461,3 +461,16 @@ def test_two_processes_train_a_tree_in_sync(train_on_two_processes):
                                     "train.max_steps=2", "optim.lr=1e-2")
     assert report["num_processes"] == 2 and report["onpolicy_max_dev"] <= 1e-6
     assert report["param_rank_diff"] == 0.0 and report["param_change"] > 0
+
+
+def test_sharded_rollouts_run_the_same_forwards_on_every_process(launch_two_processes):
+    """tests/support/flow_fsdp_rollout_check.py: the tiny SD3 transformer sharded with FSDP2 over two processes,
+    each rolling out its own prompt with its own noise. DanceGRPO's random trained steps and TempFlow's branch
+    step then differ between the processes; with micro-batches smaller than a group, which chunks replay (two CFG
+    forwards instead of one fused) and how many rows TempFlow's shared prefix runs used to differ too, and the
+    processes' all-gathers no longer paired up."""
+    report = launch_two_processes("flow_fsdp_rollout_check.py")
+    assert report["sharded"]
+    for preset in ("tiny_dancegrpo", "tiny_tempflow"):
+        first, second = report[preset]["forwards"]
+        assert first == second and min(first) > 0 and report[preset]["finite"], (preset, first, second)
