@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from mmgrpo.config import ConfigError
+
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
 CONFIG_FILE = "config.yaml"
@@ -99,8 +101,33 @@ def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str],
 
     changed = sorted(k for k in old.keys() | new.keys()
                      if old.get(k) != new.get(k) and not matches(k, FREE_ON_RESUME))
-    fixed = [k for k in changed if matches(k, FIXED_ON_RESUME)]
-    return fixed, [k for k in changed if k not in fixed]
+    rank = {k: next(i for i, p in enumerate(FIXED_ON_RESUME) if matches(k, (p,)))
+            for k in changed if matches(k, FIXED_ON_RESUME)}
+    fixed = sorted(rank, key=lambda k: (rank[k], k))  # the pipeline first: the root of any other difference
+    return fixed, [k for k in changed if k not in rank]
+
+
+def saved_config(path: Path) -> dict[str, Any]:
+    """The :func:`flatten`-ed config of a ``config.yaml`` file; TypeError when it holds no mapping."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise TypeError(f"{path} holds {type(data).__name__}, not a mapping of config keys")
+    return flatten(data)
+
+
+def fixed_change(old: dict[str, Any], new: dict[str, Any], path: Path, keys: tuple[str, ...] = FIXED_ON_RESUME
+                 ) -> ConfigError | None:
+    """The ConfigError for the first of ``keys`` (dotted, or prefixes ending in '.') that differs between the
+    config checkpoint ``path`` was made with (``old``) and this run's (``new``), both flattened; None if none."""
+    fixed, _ = config_changes(old, new)
+    key = next((k for k in fixed if any(k == p or (p.endswith(".") and k.startswith(p)) for p in keys)), None)
+    if key is None:
+        return None
+    return ConfigError(f"bad value for '{key}': {new.get(key)!r}, but checkpoint {path} was made with "
+                       f"{old.get(key)!r}; its weights and state depend on it: use the old value, or another "
+                       f"checkpoint")
 
 
 def temporary_dir(run_dir: Path, step: int) -> Path:

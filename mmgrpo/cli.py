@@ -37,15 +37,30 @@ def _policy_and_weights(cfg: Any) -> tuple[Any, Path | None]:
     if cfg.resume and found is None:
         raise FileNotFoundError(f"no checkpoint to load in {Path(cfg.output_dir) / 'checkpoints'}")
     if found is not None:
-        policy.load(found / "policy")
-        ema = found / "ema.safetensors"
-        if ema.is_file():  # a run with train.ema_decay > 0: evaluate and sample with the averaged weights
-            from safetensors.torch import load_file
+        from mmgrpo.config import to_dict
 
-            params = dict(policy.model.named_parameters())
-            with torch.no_grad():
-                for name, value in load_file(str(ema)).items():
-                    params[name].copy_(value.to(params[name].dtype))
+        try:
+            saved = found / checkpoint.CONFIG_FILE
+            if saved.is_file():  # the weights fit only the pipeline and base model they were trained on
+                error = checkpoint.fixed_change(checkpoint.saved_config(saved), checkpoint.flatten(to_dict(cfg)),
+                                                found, keys=("pipeline", "model.path"))
+                if error is not None:
+                    raise error
+            policy.load(found / "policy")
+            ema = found / "ema.safetensors"
+            if ema.is_file():  # a run with train.ema_decay > 0: evaluate and sample with the averaged weights
+                from safetensors.torch import load_file
+
+                params = dict(policy.model.named_parameters())
+                with torch.no_grad():
+                    for name, value in load_file(str(ema)).items():
+                        params[name].copy_(value.to(params[name].dtype))
+        except ConfigError:
+            raise
+        except Exception as err:  # a torn file, weights of another shape: one line naming the checkpoint
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise ConfigError(f"bad value for 'resume': checkpoint {found} cannot be read ({type(err).__name__}: "
+                              f"{first[:300]})") from err
     return policy, found
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin, gather_object, set_seed
 from safetensors.torch import load_file, save_file
@@ -210,6 +209,15 @@ class Trainer:
         acc.wait_for_everyone()
         return final
 
+    def unreadable(self, path: Path, err: Exception) -> ConfigError:
+        """The one-line error for checkpoint ``path`` that ``err`` stopped reading, naming the checkpoint before it
+        to resume from instead."""
+        earlier = [p for _, p in checkpoint.checkpoint_dirs(self.run_dir) if p.resolve() != path.resolve()]
+        hint = f"; with it moved away, resume={earlier[-1]} resumes from the one before" if earlier else ""
+        first = (str(err).strip().splitlines() or [""])[0]
+        return ConfigError(f"bad value for 'resume': checkpoint {path} cannot be read ({type(err).__name__}: "
+                           f"{first}){hint}")
+
     def load_checkpoint(self, path: Path) -> None:
         """Restore weights, optimiser, scheduler, RNG and sampler from ``path``. A file that cannot be read is a
         one-line ConfigError naming the checkpoint (and the one before it, to resume from instead)."""
@@ -223,11 +231,7 @@ class Trainer:
         except ConfigError:
             raise
         except Exception as err:
-            earlier = [p for _, p in checkpoint.checkpoint_dirs(self.run_dir) if p.resolve() != path.resolve()]
-            hint = f"; with it moved away, resume={earlier[-1]} resumes from the one before" if earlier else ""
-            first = (str(err).strip().splitlines() or [""])[0]
-            raise ConfigError(f"bad value for 'resume': checkpoint {path} cannot be read ({type(err).__name__}: "
-                              f"{first}){hint}") from err
+            raise self.unreadable(path, err) from err
         self.step, self.iteration = state["step"], state["iteration"]
         self.train_seconds = state.get("train_seconds", 0.0)  # none in checkpoints from before train.max_minutes
         self.sampler.load_state_dict(state["sampler"])
@@ -275,14 +279,12 @@ class Trainer:
                       if f.is_file()), None)
         if saved is None:
             return
-        old = checkpoint.flatten(yaml.safe_load(saved.read_text()))
+        old = checkpoint.saved_config(saved)
         new = checkpoint.flatten(to_dict(self.cfg))
-        fixed, other = checkpoint.config_changes(old, new)
-        if fixed:
-            key = fixed[0]
-            raise ConfigError(f"bad value for '{key}': {new.get(key)!r}, but checkpoint {path} was made with "
-                              f"{old.get(key)!r}; a resumed run keeps it (the weights, sampler and RNG state "
-                              "depend on it): resume with the old value, or start a new output_dir")
+        error = checkpoint.fixed_change(old, new, path)
+        if error is not None:
+            raise error
+        _, other = checkpoint.config_changes(old, new)
         if other:
             self.accelerator.print("resuming with changed settings: " + ", ".join(
                 f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in other))
@@ -671,8 +673,14 @@ class Trainer:
             if cfg.resume == "latest":
                 acc.print(f"no checkpoint in {self.run_dir / 'checkpoints'}: starting a fresh run")
         else:
-            self.check_resumed_config(resume_from)
-            newer = checkpoint.newer_checkpoint(self.run_dir, checkpoint.read_state(resume_from)["step"])
+            try:
+                self.check_resumed_config(resume_from)
+                step = int(checkpoint.read_state(resume_from)["step"])
+            except ConfigError:
+                raise
+            except Exception as err:  # a torn or edited trainer_state.json or config.yaml
+                raise self.unreadable(resume_from, err) from err
+            newer = checkpoint.newer_checkpoint(self.run_dir, step)
             if newer is not None:
                 raise ConfigError(f"bad value for 'resume': {resume_from} is older than {newer} in this output_dir; "
                                   "going back would mix the two runs' metrics and checkpoints: move the newer "

@@ -140,6 +140,19 @@ def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", str(preset), f"output_dir={tmp_path / 'empty'}", "resume=latest"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
+    # a checkpoint of another pipeline, or one whose weights cannot be read: one line naming it
+    step6 = tmp_path / "run" / "checkpoints" / "step-6"
+    saved = step6 / "config.yaml"
+    saved.write_text(saved.read_text().replace("pipeline: toy_bandit:PIPELINE", "pipeline: flow"))
+    assert main(["eval", str(preset), f"resume={step6}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    expected = (f"config error: bad value for 'pipeline': 'toy_bandit:PIPELINE', but checkpoint {step6} was made "
+                "with 'flow'; its weights and state depend on it: use the old value, or another checkpoint")
+    assert err == [expected]
+    (tmp_path / "run" / "checkpoints" / "step-12" / "policy" / "model.safetensors").write_bytes(b"torn")
+    assert main(["sample", str(preset), "resume=latest"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.match(r"config error: bad value for 'resume': checkpoint .*step-12 cannot be read", err[0])
 
 
 def test_a_failing_reward_stops_the_run_with_one_line(tmp_path, support_env):

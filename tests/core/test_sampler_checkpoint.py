@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -70,3 +71,14 @@ def test_finalize_is_a_rename(tmp_path):
     (again / "weights").write_text("w2")
     assert checkpoint.finalize(again, {"step": 3}) == final and (final / "weights").read_text() == "w2"
     assert sorted(p.name for p in final.parent.iterdir()) == ["step-3"]  # the old one set aside, then deleted
+
+
+def test_a_pipeline_change_is_reported_before_the_keys_it_changes():
+    """A flow checkpoint resumed by a vlm run differs in many model.* keys; the error names the pipeline."""
+    old = {"pipeline": "flow", "model.attention_backend": "auto", "model.path": "a", "seed": 0, "optim.lr": 1.0}
+    new = {"pipeline": "vlm", "model.attention_backend": None, "model.path": "b", "seed": 0, "optim.lr": 2.0}
+    fixed, other = checkpoint.config_changes(old, new)
+    assert fixed == ["pipeline", "model.attention_backend", "model.path"] and other == ["optim.lr"]
+    error = checkpoint.fixed_change(old, new, Path("ckpt"))
+    assert str(error).startswith("bad value for 'pipeline': 'vlm', but checkpoint ckpt was made with 'flow'")
+    assert checkpoint.fixed_change(old, new, Path("ckpt"), keys=("seed",)) is None

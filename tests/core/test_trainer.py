@@ -477,7 +477,7 @@ def test_resume_keeps_what_the_checkpoint_depends_on_and_reports_other_changes(t
     Trainer(toy(tmp_path, "train.max_steps=2")).train()
     for key, value in (("train.group_size", 4), ("train.prompts_per_step", 2), ("seed", 1)):
         with pytest.raises(ConfigError, match=rf"bad value for '{key}': {value}, but checkpoint .*step-2 was made "
-                                              "with .*; a resumed run keeps it"):
+                                              "with .*; its weights and state depend on it"):
             Trainer(toy(tmp_path, "train.max_steps=3", "resume=latest", f"{key}={value}")).train()
     capsys.readouterr()
     Trainer(toy(tmp_path, "train.max_steps=3", "resume=latest", "grpo.clip_eps=0.3")).train()
@@ -502,6 +502,17 @@ def test_an_unreadable_checkpoint_is_one_line_naming_it_and_the_one_before(tmp_p
                                           r"away, resume=.*step-2 resumes from the one before") as err:
         Trainer(toy(tmp_path, "train.max_steps=5", "resume=latest")).train()
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("name", "text"), [("trainer_state.json", '{"step": 3, "itera'),
+                                             ("trainer_state.json", "[]"), ("config.yaml", "model: [unclosed\n"),
+                                             ("config.yaml", "hello\n")])
+def test_a_torn_or_edited_checkpoint_file_is_one_line_naming_the_checkpoint(tmp_path, name, text):
+    Trainer(toy(tmp_path, "train.max_steps=4", "train.save_every=2", "train.keep_last=0")).train()
+    (tmp_path / "checkpoints" / "step-4" / name).write_text(text)
+    with pytest.raises(ConfigError, match=r"^bad value for 'resume': checkpoint .*step-4 cannot be read \(\w+: .*\); "
+                                          r"with it moved away, resume=.*step-2 resumes from the one before$"):
+        Trainer(toy(tmp_path, "train.max_steps=5", "resume=latest")).train()
 
 
 def test_resuming_from_an_older_checkpoint_of_the_run_is_refused_and_loses_nothing(tmp_path):
