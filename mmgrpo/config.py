@@ -370,7 +370,19 @@ def check_key(key: str, schema: type) -> None:
 
 class ConfigLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading ``1e-3`` and ``5E+2`` as floats as YAML 1.2 (and OmegaConf) do: YAML 1.1 keeps a
-    number without a dot as a string, which in a free-form mapping (a reward's ``args``) stays one."""
+    number without a dot as a string, which in a free-form mapping (a reward's ``args``) stays one. A key given
+    twice in one mapping is an error (PyYAML keeps the last silently: a second ``train:`` drops the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, typing.Hashable) and key in lines:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {lines[key] + 1})", key_node.start_mark)
+            if isinstance(key, typing.Hashable):
+                lines[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 ConfigLoader.add_implicit_resolver(

@@ -184,6 +184,18 @@ def test_exponent_numbers_are_floats_in_free_form_args_too(tmp_path):
     assert load_config(saved).output_dir == "1e-3"
 
 
+def test_a_key_given_twice_in_a_preset_is_an_error_not_a_dropped_section(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("pipeline: toy_bandit:PIPELINE\ntrain:\n  max_steps: 7\noptim:\n  lr: 0.1\ntrain:\n"
+                      "  group_size: 4\n")
+    with pytest.raises(ConfigError, match=r"cannot parse .*p\.yaml: .*duplicate key 'train' \(first at line 2\)"
+                                          r".*line 6"):
+        load_config(preset)
+    preset.write_text("pipeline: toy_bandit:PIPELINE\nrewards: [{name: format, weight: 1, weight: 2}]\n")
+    with pytest.raises(ConfigError, match="duplicate key 'weight'"):
+        load_config(preset)
+
+
 def test_output_dir_and_resume_paths_expand_the_home_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "output_dir": "~/runs/x"})
