@@ -75,8 +75,9 @@ def checkpoint_hint(path: str | os.PathLike) -> str:
 
 
 def existing_run(run_dir: Path) -> str | None:
-    """What in ``run_dir`` shows an earlier run (its metrics or checkpoints), or None."""
-    found = [name for name in ("metrics.jsonl",) if (run_dir / name).is_file()]
+    """What in ``run_dir`` shows an earlier run (its metrics or checkpoints), or None. An empty metrics.jsonl (a
+    run that failed in its first step) does not."""
+    found = [name for name in ("metrics.jsonl",) if (run_dir / name).is_file() and (run_dir / name).stat().st_size]
     found += [f"checkpoints/{path.name}" for _, path in checkpoint_dirs(run_dir)[-1:]]
     return ", ".join(found) or None
 

@@ -32,6 +32,7 @@ from mmgrpo import checkpoint
 from mmgrpo.config import BaseConfig, ConfigError, to_dict, to_yaml
 from mmgrpo.data import GroupSampler
 from mmgrpo.ema import EMA
+from mmgrpo.errors import RunError
 from mmgrpo.grpo import (
     advantage_stats,
     aggregation_count,
@@ -706,19 +707,30 @@ class Trainer:
         with self._stop_on_signals() as asked, closing(bar):
             while self.step < cfg.train.max_steps and not (out_of_time := self._out_of_time(bar)):
                 t0 = time.perf_counter()
-                items_idx, group_ids = self.sampler.next()
-                items = [self.train_items[i] for i in items_idx]
-                with torch.no_grad(), acc.autocast():
-                    rollout = self.policy.rollout(items, group_ids, cfg.train.group_size)
-                t1 = time.perf_counter()
-                main, logged, _ = self.rewards(rollout.reward_batch)
-                t2 = time.perf_counter()
-                iteration_metrics = {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1}
-                if cfg.grpo.refill_rounds or cfg.grpo.oversample_prompts:  # more rounds of rollouts, timed apart
-                    rollout, main, logged, refill_stats = self.refill(rollout, main, logged)
-                    iteration_metrics.update(refill_stats)
-                    iteration_metrics["time/refill_s"] = time.perf_counter() - t2
+                sampler_state = self.sampler.state_dict()
+                try:
+                    items_idx, group_ids = self.sampler.next()
+                    items = [self.train_items[i] for i in items_idx]
+                    with torch.no_grad(), acc.autocast():
+                        rollout = self.policy.rollout(items, group_ids, cfg.train.group_size)
+                    t1 = time.perf_counter()
+                    main, logged, _ = self.rewards(rollout.reward_batch)
                     t2 = time.perf_counter()
+                    iteration_metrics = {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1}
+                    if cfg.grpo.refill_rounds or cfg.grpo.oversample_prompts:  # more rounds, timed apart
+                        rollout, main, logged, refill_stats = self.refill(rollout, main, logged)
+                        iteration_metrics.update(refill_stats)
+                        iteration_metrics["time/refill_s"] = time.perf_counter() - t2
+                        t2 = time.perf_counter()
+                except RunError:
+                    # a reward server gone, bad data under on_bad_media=error: nothing of this step is trained
+                    # yet, so keep the steps since the last checkpoint (one process: several could be apart, and
+                    # saving is collective), the failed step's prompts first again on resume
+                    if acc.num_processes == 1 and last_saved != self.step and self.step > 0:
+                        self.sampler.load_state_dict(sampler_state)
+                        self.save_checkpoint()
+                        acc.print(f"saved step {self.step} before stopping: resume=latest continues from there")
+                    raise
                 unit_adv, adv_stats = self.compute_advantages(rollout, main)
                 iteration_metrics.update(self._reward_metrics(main, logged))
                 iteration_metrics.update(adv_stats)

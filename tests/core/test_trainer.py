@@ -20,9 +20,11 @@ from ports import free_port
 from safetensors.torch import load_file
 from toy_bandit import ToyConfig
 
+from mmgrpo import checkpoint
 from mmgrpo.checkpoint import checkpoint_dirs
 from mmgrpo.cli import _policy_and_weights
 from mmgrpo.config import ConfigError, load_config
+from mmgrpo.errors import RunError
 from mmgrpo.policy import (
     check_even_eval_split,
     frozen_copy,
@@ -513,6 +515,27 @@ def test_a_torn_or_edited_checkpoint_file_is_one_line_naming_the_checkpoint(tmp_
     with pytest.raises(ConfigError, match=r"^bad value for 'resume': checkpoint .*step-4 cannot be read \(\w+: .*\); "
                                           r"with it moved away, resume=.*step-2 resumes from the one before$"):
         Trainer(toy(tmp_path, "train.max_steps=5", "resume=latest")).train()
+
+
+def test_a_run_stopped_by_a_failing_reward_keeps_its_steps_and_resumes_with_the_failed_prompts(tmp_path):
+    """The reward fails at the 4th rollout, with no checkpoint since the start (save_every=0): the 3 trained steps
+    are saved before the error goes up, and a resumed run trains the prompts the failed step had drawn."""
+    (tmp_path / "flaky_reward.py").write_text(
+        "calls = [0]\n\n\ndef fn(batch):\n    calls[0] += 1\n    if calls[0] == 4:\n"
+        "        raise ConnectionError('the reward server is gone')\n    return [1.0] * len(batch.prompts)\n")
+    rewards = f"rewards=[{{name: toy_bandit:match_reward}}, {{name: '{tmp_path}/flaky_reward.py:fn', weight: 0}}]"
+    run = tmp_path / "run"
+    trainer = Trainer(toy(run, "train.max_steps=6", "train.save_every=0", rewards))
+    with pytest.raises(RunError, match="reward .*flaky_reward.py:fn' failed: ConnectionError: the reward server"):
+        trainer.train()
+    assert [p.name for _, p in checkpoint_dirs(run)] == ["step-3"]
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3]
+    resumed = Trainer(toy(run, "train.max_steps=6", "train.save_every=0", rewards, "resume=latest"))
+    resumed.train()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    fresh = Trainer(toy(tmp_path / "fresh", "train.max_steps=3", "train.save_every=0"))
+    fresh.train()  # the sampler after 3 steps: the failed 4th step's draw is not in the checkpoint
+    assert checkpoint.read_state(run / "checkpoints" / "step-3")["sampler"] == fresh.sampler.state_dict()
 
 
 def test_resuming_from_an_older_checkpoint_of_the_run_is_refused_and_loses_nothing(tmp_path):
