@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -100,15 +101,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     policy, found = _policy_and_weights(cfg)
     _, eval_items = policy.datasets()
     batch = policy.generate(eval_items)
+    if len(batch) == 0:  # every held-out item was skipped (bad media, prompts over the budget: warned above)
+        raise RunError(f"none of the {len(eval_items)} held-out items could be evaluated: all were skipped")
     zoo = RewardZoo(cfg.rewards)
     _main, logged, _ = zoo(batch, only=zoo.evaluation_names)
-    result = {"num_samples": len(batch), "rewards": {k: v.nanmean().item() for k, v in logged.items()},
+    means = {k: v.nanmean().item() for k, v in logged.items()}
+    result = {"num_samples": len(batch), "num_items": len(eval_items),
+              "rewards": {k: None if math.isnan(v) else v for k, v in means.items()},  # NaN: no sample applied
               "checkpoint": None if found is None else str(found)}
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=2))
+    (out / "eval.json").write_text(json.dumps(result, indent=2, allow_nan=False))
     policy.save_samples(batch, out / "samples", output_tag(out / "samples", "eval", found))
-    for name, value in result["rewards"].items():
+    for name, value in means.items():
         print(f"{name:>32s}  {value:.4f}")
     print(f"wrote {out / 'eval.json'}")
     return 0
@@ -163,6 +168,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
     known = {item["prompt"]: item for item in train_items + eval_items}
     items = [known.get(p, {"prompt": p}) for p in args.prompt] if args.prompt else eval_items[: args.num]
     batch = policy.generate(items)
+    if len(batch) == 0:
+        raise RunError(f"none of the {len(items)} items could be sampled: all were skipped")
     out = Path(cfg.output_dir) / "samples"
     for path in policy.save_samples(batch, out, output_tag(out, "sample", found)):
         print(f"wrote {path}")

@@ -539,3 +539,23 @@ def test_two_processes_train_tgrpo_with_the_prefix_grouper_in_sync(train_on_two_
                                     "prefix_grouper=true", "generation.max_new_tokens=16")
     assert report["num_processes"] == 2 and report["onpolicy_max_dev"] <= 1e-5
     assert report["param_rank_diff"] == 0.0 and report["param_change"] > 0
+
+
+def test_eval_with_every_held_out_item_skipped_is_an_error_not_an_empty_result(tmp_path, monkeypatch, capsys):
+    """Every held-out image unreadable (skipped under on_bad_media: skip): `mmgrpo eval` says so and exits 1
+    instead of writing an eval.json of 0 samples and NaN means."""
+    from mmgrpo.cli import main
+
+    monkeypatch.chdir(ROOT)
+    lines = (ROOT / "assets" / "data" / "shapes_qa" / "heldout.jsonl").read_text().splitlines()[:3]
+    for i in range(3):
+        (tmp_path / f"torn{i}.png").write_bytes(b"\x89PNG torn")
+    records = [{**json.loads(line), "path": str(tmp_path / f"torn{i}.png")} for i, line in enumerate(lines)]
+    gone = tmp_path / "gone.jsonl"
+    gone.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "run"
+    assert main(["eval", "configs/vlm/tiny_image.yaml", f"data.eval_file={gone}", "data.num_eval=3",
+                 f"output_dir={out}", "logging.progress=false"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "error: none of the 3 held-out items could be evaluated: all were skipped"
+    assert not (out / "eval.json").exists()
