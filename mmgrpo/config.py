@@ -430,14 +430,27 @@ def read_preset(path: str | os.PathLike, chain: tuple[Path, ...] = ()) -> dict[s
 
 def check_sections(data: dict, schema: type, prefix: str = "") -> None:
     """Raise ConfigError naming the first key of ``data`` (nested dicts of a preset) that holds something other than
-    a mapping where ``schema`` has a section."""
+    a mapping where ``schema`` has a section, or, in a list of sections (``rewards``), an item key the section does
+    not have (``rewards.0.wieght``, with the closest)."""
     for name, value in data.items():
         key = f"{prefix}{name}"
-        if dataclasses.is_dataclass(field_type(key, schema)):
+        tp = field_type(key, schema)
+        if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
                 raise ConfigError(f"bad value for '{key}': expected a mapping of its keys (a section), got "
                                   f"{value!r}")
             check_sections(value, schema, key + ".")
+        elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]) \
+                and isinstance(value, list):
+            names = [f.name for f in dataclasses.fields(typing.get_args(tp)[0])]
+            for i, item in enumerate(value):
+                unknown = next((k for k in item if k not in names), None) if isinstance(item, dict) else None
+                if unknown is not None:
+                    close = difflib.get_close_matches(str(unknown), names, n=1)
+                    hint = f" (closest: '{close[0]}')" if close else f" (valid: {', '.join(names)})"
+                    raise ConfigError(f"unknown key '{key}.{i}.{unknown}'{hint}")
+                if isinstance(item, dict):
+                    check_sections(item, schema, f"{key}.{i}.")
 
 
 def _omegaconf_message(err: OmegaConfBaseException, schema: type) -> str:

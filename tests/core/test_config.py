@@ -184,6 +184,13 @@ def test_exponent_numbers_are_floats_in_free_form_args_too(tmp_path):
     assert load_config(saved).output_dir == "1e-3"
 
 
+def test_an_unknown_key_in_a_reward_item_of_a_preset_names_its_path(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("pipeline: toy_bandit:PIPELINE\nrewards: [{name: format}, {name: accuracy, wieght: 1}]\n")
+    with pytest.raises(ConfigError, match=r"^unknown key 'rewards\.1\.wieght' \(closest: 'weight'\)$"):
+        load_config(preset)
+
+
 def test_a_key_given_twice_in_a_preset_is_an_error_not_a_dropped_section(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("pipeline: toy_bandit:PIPELINE\ntrain:\n  max_steps: 7\noptim:\n  lr: 0.1\ntrain:\n"
