@@ -542,15 +542,20 @@ class Trainer:
                 self.step += 1
                 self.policy.after_optimizer_step(self.step)
                 metrics = ratio_stats(torch.cat(ratios), torch.cat(masks), torch.cat(clips))
+                # the KL and entropy of the whole batch: per-unit means over all processes' units (a process
+                # with fewer trained tokens, or none, must not weigh as much as the others)
+                kl_sum, entropy_sum, units = acc.reduce(torch.tensor(
+                    [sums["kl"], sums["entropy"], sums["units"]], dtype=torch.float64, device=acc.device),
+                    reduction="sum").tolist()
                 metrics.update({
                     "loss": sums["loss"],
-                    "kl": sums["kl"] / max(sums["units"], 1.0),
+                    "kl": kl_sum / max(units, 1.0),
                     "ratio/onpolicy_max_dev": onpolicy_dev,
                     "lr": self.scheduler.get_last_lr()[0],
                     "inner_epoch": epoch,
                 })
                 if entropy_reported:
-                    metrics["entropy"] = sums["entropy"] / max(sums["units"], 1.0)
+                    metrics["entropy"] = entropy_sum / max(units, 1.0)
                 if grad_norm is not None:
                     metrics["grad_norm"] = float(grad_norm)
                 if not finite:
