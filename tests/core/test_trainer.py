@@ -137,6 +137,7 @@ def test_every_rollout_gives_updates_per_rollout_steps(tmp_path):
 def test_adv_batch_norm_rescales_advantages_over_the_batch(tmp_path):
     history = Trainer(toy(tmp_path, "train.max_steps=2", "grpo.adv_batch_norm=true",
                           "grpo.advantage=group_mean")).train()
+    assert [row["step"] for row in history] == [1, 2]
     for row in history:
         assert abs(row["adv/mean"]) < 1e-9 and abs(row["adv/std"] - 1.0) < 1e-4, row
 
@@ -376,10 +377,13 @@ def test_refill_needs_the_mask_and_a_policy_that_merges(tmp_path):
 
 def test_in_loop_evaluation_logs_heldout_scores_and_samples(tmp_path):
     cfg = toy(tmp_path, "train.max_steps=6", "train.eval_every=3", "optim.lr=0.2")
-    history = Trainer(cfg).train()
+    trainer = Trainer(cfg)
+    history = trainer.train()
     evals = [r for r in history if "eval/toy_bandit:match_reward/mean" in r]
     assert [r["step"] for r in evals] == [3, 6]
-    assert (tmp_path / "samples" / "step-3.txt").is_file()
+    lines = (tmp_path / "samples" / "step-3.txt").read_text().splitlines()  # prompt <tab> completion per item
+    assert [line.split("\t")[0] for line in lines] == [item["prompt"] for item in trainer.eval_items]
+    assert all(len(line.split("\t")[1].split()) == cfg.toy.seq_len for line in lines)
     assert all(0.0 <= r["eval/toy_bandit:match_reward/mean"] <= 1.0 for r in evals)
 
 

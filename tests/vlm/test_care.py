@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from random_vlm import RANDOM_TINY_VLM
+from transformers import AutoTokenizer
 
 from mmgrpo.config import ConfigError, RewardSpec, load_config
 from mmgrpo.pipelines.vlm import care
@@ -129,8 +130,8 @@ def encode(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 BYTE_TOKENIZER = build_tokenizer()  # no merges, tags not added: "<answer>" is 8 byte tokens
-SHIPPED_TOKENIZER = pytest.importorskip("transformers").AutoTokenizer.from_pretrained(
-    str(ROOT / "assets" / "tiny-qwen2vl-shapes"))  # task words and tags are single tokens
+SHIPPED_TOKENIZER = AutoTokenizer.from_pretrained(str(ROOT / "assets" / "tiny-qwen2vl-shapes"))
+"""Task words and tags are single tokens."""
 
 
 @pytest.mark.parametrize("tokenizer", [BYTE_TOKENIZER, SHIPPED_TOKENIZER], ids=["bytes", "shipped"])

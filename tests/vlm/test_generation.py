@@ -80,8 +80,10 @@ def test_eos_stops_rows_and_truncation_is_flagged(vlm, video_prompt):
 
 def test_texts_are_decoded_without_special_tokens(vlm, video_prompt):
     out = generate_group(vlm, video_prompt, 4, VLMGenerationConfig(max_new_tokens=8), seeded(0))
+    assert len(out.texts) == 4
     for row, n, text in zip(out.ids, out.mask.sum(1).tolist(), out.texts):
         assert text == vlm.tokenizer.decode(row[:n], skip_special_tokens=True)
+        assert not any(token in text for token in vlm.tokenizer.all_special_tokens)
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator(vlm, video_prompt):

@@ -164,6 +164,9 @@ def test_sampling_kwargs_ban_what_the_hf_path_never_samples(vlm):
 def test_seeds_follow_the_generator():
     a = vb.draw_seeds(torch.Generator().manual_seed(5), 4)
     assert a == vb.draw_seeds(torch.Generator().manual_seed(5), 4) and len(set(a)) == 4
+    assert vb.draw_seeds(torch.Generator().manual_seed(6), 4) != a  # another seed, other request seeds
+    g = torch.Generator().manual_seed(5)
+    assert vb.draw_seeds(g, 4) == a and vb.draw_seeds(g, 4) != a  # drawing moves the generator on
     assert all(0 <= s < 2**31 - 1 for s in a) and all(isinstance(s, int) for s in a)
 
 
