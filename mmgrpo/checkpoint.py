@@ -93,13 +93,15 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def matches(key: str, patterns: tuple[str, ...]) -> bool:
+    """Whether dotted ``key`` is one of ``patterns``: a key, or a prefix ending in '.' (``model.``)."""
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
+
+
 def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
     """The dotted keys whose value differs between the checkpoint's config ``old`` and the resumed run's ``new``
     (both :func:`flatten`-ed): ``(fixed, other)``, where ``fixed`` match :data:`FIXED_ON_RESUME` and ``other`` are
     the rest, minus :data:`FREE_ON_RESUME`."""
-    def matches(key: str, patterns: tuple[str, ...]) -> bool:
-        return any(key == p or (p.endswith(".") and key.startswith(p)) for p in patterns)
-
     changed = sorted(k for k in old.keys() | new.keys()
                      if old.get(k) != new.get(k) and not matches(k, FREE_ON_RESUME))
     rank = {k: next(i for i, p in enumerate(FIXED_ON_RESUME) if matches(k, (p,)))
@@ -118,12 +120,22 @@ def saved_config(path: Path) -> dict[str, Any]:
     return flatten(data)
 
 
+def unreadable(path: Path, err: Exception, run_dir: Path) -> ConfigError:
+    """The one-line error for checkpoint ``path`` that ``err`` stopped reading, naming the checkpoint of ``run_dir``
+    before it to resume from instead."""
+    earlier = [p for _, p in checkpoint_dirs(run_dir) if p.resolve() != path.resolve()]
+    hint = f"; with it moved away, resume={earlier[-1]} resumes from the one before" if earlier else ""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return ConfigError(f"bad value for 'resume': checkpoint {path} cannot be read ({type(err).__name__}: "
+                       f"{first}){hint}")
+
+
 def fixed_change(old: dict[str, Any], new: dict[str, Any], path: Path, keys: tuple[str, ...] = FIXED_ON_RESUME
                  ) -> ConfigError | None:
     """The ConfigError for the first of ``keys`` (dotted, or prefixes ending in '.') that differs between the
     config checkpoint ``path`` was made with (``old``) and this run's (``new``), both flattened; None if none."""
     fixed, _ = config_changes(old, new)
-    key = next((k for k in fixed if any(k == p or (p.endswith(".") and k.startswith(p)) for p in keys)), None)
+    key = next((k for k in fixed if matches(k, keys)), None)
     if key is None:
         return None
     return ConfigError(f"bad value for '{key}': {new.get(key)!r}, but checkpoint {path} was made with "

@@ -59,9 +59,7 @@ def _policy_and_weights(cfg: Any) -> tuple[Any, Path | None]:
         except ConfigError:
             raise
         except Exception as err:  # a torn file, weights of another shape: one line naming the checkpoint
-            first = (str(err).strip().splitlines() or [""])[0]
-            raise ConfigError(f"bad value for 'resume': checkpoint {found} cannot be read ({type(err).__name__}: "
-                              f"{first[:300]})") from err
+            raise checkpoint.unreadable(found, err, Path(cfg.output_dir)) from err
     return policy, found
 
 

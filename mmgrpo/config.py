@@ -377,11 +377,12 @@ class ConfigLoader(yaml.SafeLoader):
         lines: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, typing.Hashable) and key in lines:
+            if not isinstance(key, typing.Hashable):
+                continue
+            if key in lines:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (first at line {lines[key] + 1})", key_node.start_mark)
-            if isinstance(key, typing.Hashable):
-                lines[key] = key_node.start_mark.line
+            lines[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
 
@@ -444,13 +445,14 @@ def check_sections(data: dict, schema: type, prefix: str = "") -> None:
                 and isinstance(value, list):
             names = [f.name for f in dataclasses.fields(typing.get_args(tp)[0])]
             for i, item in enumerate(value):
-                unknown = next((k for k in item if k not in names), None) if isinstance(item, dict) else None
+                if not isinstance(item, dict):
+                    continue
+                unknown = next((k for k in item if k not in names), None)
                 if unknown is not None:
                     close = difflib.get_close_matches(str(unknown), names, n=1)
                     hint = f" (closest: '{close[0]}')" if close else f" (valid: {', '.join(names)})"
                     raise ConfigError(f"unknown key '{key}.{i}.{unknown}'{hint}")
-                if isinstance(item, dict):
-                    check_sections(item, schema, f"{key}.{i}.")
+                check_sections(item, schema, f"{key}.{i}.")
 
 
 def _omegaconf_message(err: OmegaConfBaseException, schema: type) -> str:

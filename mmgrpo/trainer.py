@@ -210,15 +210,6 @@ class Trainer:
         acc.wait_for_everyone()
         return final
 
-    def unreadable(self, path: Path, err: Exception) -> ConfigError:
-        """The one-line error for checkpoint ``path`` that ``err`` stopped reading, naming the checkpoint before it
-        to resume from instead."""
-        earlier = [p for _, p in checkpoint.checkpoint_dirs(self.run_dir) if p.resolve() != path.resolve()]
-        hint = f"; with it moved away, resume={earlier[-1]} resumes from the one before" if earlier else ""
-        first = (str(err).strip().splitlines() or [""])[0]
-        return ConfigError(f"bad value for 'resume': checkpoint {path} cannot be read ({type(err).__name__}: "
-                           f"{first}){hint}")
-
     def load_checkpoint(self, path: Path) -> None:
         """Restore weights, optimiser, scheduler, RNG and sampler from ``path``. A file that cannot be read is a
         one-line ConfigError naming the checkpoint (and the one before it, to resume from instead)."""
@@ -232,7 +223,7 @@ class Trainer:
         except ConfigError:
             raise
         except Exception as err:
-            raise self.unreadable(path, err) from err
+            raise checkpoint.unreadable(path, err, self.run_dir) from err
         self.step, self.iteration = state["step"], state["iteration"]
         self.train_seconds = state.get("train_seconds", 0.0)  # none in checkpoints from before train.max_minutes
         self.sampler.load_state_dict(state["sampler"])
@@ -685,7 +676,7 @@ class Trainer:
             except ConfigError:
                 raise
             except Exception as err:  # a torn or edited trainer_state.json or config.yaml
-                raise self.unreadable(resume_from, err) from err
+                raise checkpoint.unreadable(resume_from, err, self.run_dir) from err
             newer = checkpoint.newer_checkpoint(self.run_dir, step)
             if newer is not None:
                 raise ConfigError(f"bad value for 'resume': {resume_from} is older than {newer} in this output_dir; "

@@ -213,6 +213,7 @@ def plugin_package(tmp_path, monkeypatch):
 def test_a_broken_entry_point_is_skipped_with_a_warning_and_named_when_asked_for(monkeypatch, capsys):
     """A plug-in whose module does not import must not stop `mmgrpo rewards` or a run that uses other rewards; asked
     for by name, it is a one-line error that says why."""
+    REWARDS.names()  # the built-in rewards first: the copy below must hold them, and they register once
     broken = metadata.EntryPoint("plugin_broken", "no_such_plugin_module_xyz:reward", "mmgrpo.rewards")
     original = metadata.entry_points
     monkeypatch.setattr(metadata, "entry_points", lambda **selection: [broken] if selection.get(
