@@ -27,16 +27,22 @@ def group_stats(rewards: torch.Tensor, group: torch.Tensor) -> tuple[torch.Tenso
 
     Returns ``(index, count, mean, std)``: ``index`` (N,) int64 maps each sample to its group 0..K-1, and ``count``,
     ``mean`` and ``std`` (population) are (K,) float64. A group with no valid member has count 0, mean 0 and std 0.
+
+    Sums run over the offsets from the group's largest valid reward, so a group of equal rewards has exactly their
+    value as mean and std 0 (a plain sum / G is off by rounding, which a zero ``eps`` turns into advantages of +-1).
     """
     r = rewards.double()
     valid = ~torch.isnan(r)
     ids, index = torch.unique(group, return_inverse=True)
     zeros = torch.zeros(len(ids), dtype=torch.float64, device=r.device)
     count = zeros.index_add(0, index, valid.double())
-    mean = zeros.index_add(0, index, torch.where(valid, r, 0.0)) / count.clamp(min=1)
-    dev = torch.where(valid, r - mean[index], 0.0)
+    pivot = zeros.scatter_reduce(0, index, torch.where(valid, r, -torch.inf), "amax", include_self=False)
+    pivot = torch.where(count > 0, pivot, 0.0)
+    offset = torch.where(valid, r - pivot[index], 0.0)
+    mean_offset = zeros.index_add(0, index, offset) / count.clamp(min=1)
+    dev = torch.where(valid, offset - mean_offset[index], 0.0)
     std = (zeros.index_add(0, index, dev**2) / count.clamp(min=1)).sqrt()
-    return index, count, mean, std
+    return index, count, pivot + mean_offset, std
 
 
 def _normalise(rewards: torch.Tensor, center: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

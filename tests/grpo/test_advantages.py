@@ -310,3 +310,16 @@ def test_max_rl_is_the_success_mean_minus_the_group_mean(data, scale):
         r, s = rewards[sel], scores[sel]
         expected = len(r) * (s[r == 1].mean() - s.mean())
         torch.testing.assert_close((adv[sel] * s).sum(), expected, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize("value", [0.1, 0.7, 0.9, 1 / 3])
+@pytest.mark.parametrize("size", [3, 7, 24])
+def test_a_group_of_equal_rewards_has_exactly_zero_std_and_advantage(value, size):
+    """The mean of G equal float64 rewards is not always that value (0.1 * 3 / 3 != 0.1), so the deviations were
+    about 1e-17, their std the same, and with adv_eps=0 every member got advantage +1 or -1: a full-size push on
+    a group without signal."""
+    r, g = t([value] * size + [0.0, 1.0]), t([5] * size + [6, 6], torch.int64)
+    _, _, mean, std = group_stats(r, g)
+    assert mean[0].item() == value and std[0].item() == 0.0
+    for name, fn in {**ESTIMATORS, "max_rl": max_rl}.items():
+        assert fn(r, g, 0.0)[:size].abs().max().item() == 0.0, name
