@@ -178,18 +178,20 @@ class RemoteReward(Reward):
                               timeout=self.timeout, retries=self.retries, backoff=self.backoff)
         try:
             names, kinds = answer["names"], answer["kinds"]
-            if len(names) != 1:
-                raise ValueError(f"remote: the server at {self.url} serves {names}; name one with reward=...")
-            name = names[0]
-            if kinds[name] != self.kind:
-                raise ValueError(f"remote: '{name}' at {self.url} is {kinds[name]} but this reward says "
-                                 f"kind={self.kind}; set kind: {kinds[name]}")
-            out = {"score": scores_from_json(answer["main"][name])}
-            for key, values in answer["scores"].items():
+            name = names[0] if isinstance(names, list) and len(names) == 1 else None
+            kind = None if name is None else kinds[name]
+            out = {} if name is None else {"score": scores_from_json(answer["main"][name])}
+            for key, values in ({} if name is None else answer["scores"]).items():
                 if key.startswith(f"{name}/") and key != f"{name}/score":
                     out[key[len(name) + 1:]] = scores_from_json(values)
-        except (KeyError, TypeError, AttributeError) as err:
-            raise RemoteError(f"POST {endpoint} answered without {one_line(err)}: is it a reward server?") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as err:  # not a mapping, scores not numbers...
+            raise RemoteError(f"POST {endpoint} answered a malformed reply ({type(err).__name__}: {one_line(err)}): "
+                              "is it a reward server?") from None
+        if name is None:
+            raise ValueError(f"remote: the server at {self.url} serves {names}; name one with reward=...")
+        if kind != self.kind:
+            raise ValueError(f"remote: '{name}' at {self.url} is {kind} but this reward says kind={self.kind}; "
+                             f"set kind: {kind}")
         if any(v.numel() != len(batch) for v in out.values()):
             raise RemoteError(f"POST {endpoint} answered {len(out['score'])} scores for {len(batch)} samples")
         return out
