@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, gather_object, set_seed
+from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin, gather_object, set_seed
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -69,9 +69,12 @@ REPLAN_EVERY = 0.05
 def make_accelerator(cfg: BaseConfig) -> Accelerator:
     """An Accelerator for this run. On a machine without CUDA it runs on CPU (gloo for several processes).
 
-    The LR scheduler is stepped exactly once per optimiser step whatever the process count."""
+    The LR scheduler is stepped exactly once per optimiser step whatever the process count, and losses are not
+    divided by a launcher's gradient accumulation steps: the trainer accumulates each update's micro-batches itself,
+    with loss weights that already average over the whole update."""
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.mixed_precision,
-                      step_scheduler_with_optimizer=False)
+                      step_scheduler_with_optimizer=False,
+                      gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
     if acc.state.deepspeed_plugin is not None:
         configure_deepspeed(acc.state.deepspeed_plugin, cfg)
     return acc
@@ -90,9 +93,11 @@ def check_run_dir(run_dir: Path) -> None:
 def configure_deepspeed(plugin: DeepSpeedPlugin, cfg: BaseConfig) -> None:
     """Fill the DeepSpeed config from the run's, before ``prepare``, replacing the launcher file's values:
     ``gradient_clipping`` = ``optim.max_grad_norm`` (0 = none; under DeepSpeed the engine clips, and accelerate's
-    ``clip_grad_norm_`` only reads the norm back), and ``train_micro_batch_size_per_gpu`` = ``train.micro_batch_size``
-    (accelerate reads it from a dataloader, and the trainer prepares none)."""
+    ``clip_grad_norm_`` only reads the norm back), ``train_micro_batch_size_per_gpu`` = ``train.micro_batch_size``
+    (accelerate reads it from a dataloader, and the trainer prepares none), and ``gradient_accumulation_steps`` = 1
+    (the engine would divide every loss by it; the trainer accumulates each update's micro-batches itself)."""
     plugin.deepspeed_config["gradient_clipping"] = float(cfg.optim.max_grad_norm)
+    plugin.deepspeed_config["gradient_accumulation_steps"] = 1
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = int(cfg.train.micro_batch_size)
 
 

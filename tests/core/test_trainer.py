@@ -94,6 +94,27 @@ def test_deepspeed_takes_the_runs_clipping_and_micro_batch(tmp_path):
     assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
 
 
+def test_deepspeed_does_not_accumulate_over_the_runs_updates(tmp_path):
+    """The trainer accumulates the micro-batches of an update itself; a launcher file's gradient_accumulation_steps
+    made the engine divide every loss by it (gradients, clipping threshold and logged grad_norm off by that factor)."""
+    plugin = DeepSpeedPlugin(zero_stage=2, gradient_accumulation_steps=4)
+    configure_deepspeed(plugin, toy(tmp_path))
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == 1
+
+
+@pytest.mark.usefixtures("own_accelerator_state")
+def test_a_launchers_gradient_accumulation_does_not_scale_the_loss(tmp_path, monkeypatch):
+    """``ACCELERATE_GRADIENT_ACCUMULATION_STEPS`` (set by ``accelerate launch --gradient_accumulation_steps``) made
+    ``accelerator.backward`` divide every loss by it: the same run gave a 4x smaller gradient."""
+    norms = []
+    for steps in ("1", "4"):
+        AcceleratorState._reset_state()
+        monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", steps)
+        history = Trainer(toy(tmp_path / steps, "train.max_steps=1", "optim.max_grad_norm=0")).train()
+        norms.append(history[0]["grad_norm"])
+    assert norms[1] == pytest.approx(norms[0], rel=1e-6) and norms[0] > 0
+
+
 def test_sharded_parameters_need_held_out_items_that_split_evenly():
     with pytest.raises(ConfigError, match="'data.num_eval': 10 held-out items do not split evenly over 4 processes"):
         check_even_eval_split(10, 4, sharded=True)
