@@ -152,6 +152,21 @@ def language_model_prefix(model: nn.Module) -> str:
     raise ValueError(f"cannot locate the language model inside {type(model).__name__}")
 
 
+def check_lora_targets(model: nn.Module, prefix: str, targets: list[str]) -> None:
+    """ConfigError naming ``model.lora_targets`` when it is empty or one of its module-name suffixes matches no
+    module of the language model at ``prefix`` (a regex, escaped) as the LoRA config matches them: PEFT stops only
+    when none matches, so a typo beside a valid target would silently train fewer layers."""
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(re.fullmatch(rf"{prefix}\..*\.{re.escape(t)}", n) for n in names)]
+    if targets and not missing:
+        return
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                     if isinstance(m, nn.Linear) and re.match(rf"{prefix}\.", n)})
+    what = f"no module of the language model is named {', '.join(map(repr, missing))}" if missing else "it is empty"
+    raise ConfigError(f"bad value for 'model.lora_targets': {what}; the language model's linear layers are "
+                      f"{', '.join(linear)}")
+
+
 @MODEL_ADAPTERS.register("qwen2_vl")
 class VLMModel:
     """A loaded VLM plus its processor.
@@ -200,6 +215,7 @@ class VLMModel:
             from peft import LoraConfig, get_peft_model
 
             prefix = re.escape(language_model_prefix(model))
+            check_lora_targets(model, prefix, cfg.lora_targets)
             targets = "|".join(re.escape(t) for t in cfg.lora_targets)
             lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                               target_modules=rf"{prefix}\..*\.({targets})",

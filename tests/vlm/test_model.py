@@ -210,6 +210,16 @@ def test_lora_targets_only_the_language_model(kind):
     assert trainable and all("lora_" in n for n in trainable)
 
 
+@pytest.mark.parametrize("targets, named", [(["q_proj", "vproj"], "'vproj'"), (["qkv"], "'qkv'"), ([], "empty")])
+def test_a_lora_target_that_names_no_language_model_layer_is_a_config_error(targets, named):
+    """PEFT stops only when no target matches: a typo beside a valid target ("vproj") would silently train
+    fewer layers, and a vision-only name ("qkv") or an empty list would be a traceback."""
+    with pytest.raises(ConfigError, match=r"^bad value for 'model\.lora_targets'") as err:
+        VLMModel(VLMModelConfig(path="tiny:qwen2_vl", lora_rank=4, lora_targets=targets))
+    message = str(err.value)
+    assert named in message and "q_proj" in message and "down_proj" in message and "\n" not in message
+
+
 def test_freeze_vision_full_and_lora():
     frozen = VLMModel(VLMModelConfig(path="tiny:qwen2_vl", freeze_vision=True)).model
     assert not any(p.requires_grad for p in frozen.model.visual.parameters())  # tower and merger
