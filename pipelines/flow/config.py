@@ -81,10 +81,10 @@ class FlowSamplingConfig:
     """Stochastic step kernel: flow_grpo (Flow-GRPO SDE), dance (DanceGRPO SDE) or cps
     (coefficients-preserving)."""
     noise_level: float = ranged(0.7, low=0)
-    """Noise level a of sde=flow_grpo (std_t = a*sqrt(sigma/(1-sigma))) and of sde=cps (std =
-    sigma_prev*sin(a*pi/2), a in [0, 1]); Flow-GRPO uses one noise_level for both. Unused by sde=dance."""
+    """Noise level a of sde=flow_grpo (std_t = a*sqrt(sigma/(1-sigma)), a > 0) and of sde=cps (std =
+    sigma_prev*sin(a*pi/2), a in (0, 1]); Flow-GRPO uses one noise_level for both. Unused by sde=dance."""
     eta: float = ranged(0.3, low=0)
-    """DanceGRPO eta of sde=dance (std = eta*sqrt(|dt|)); unused by flow_grpo and cps."""
+    """DanceGRPO eta of sde=dance (std = eta*sqrt(|dt|), eta > 0); unused by flow_grpo and cps."""
     latent_dtype: str = "float32"
     """Storage dtype of rollout latents. The stored next-latent is round-tripped through it before its
     log-prob is taken, so the ratio stays exactly 1 even in bf16 storage."""

@@ -15,6 +15,7 @@ SDE kernel (``sampling.sde``) and the timestep weighting (``mode.timestep_weight
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -46,6 +47,19 @@ def sde_kernel(sampling: Any, sigma_max_substitute: float) -> Callable[..., kern
         return partial(kernels.cps_step, eta=sampling.noise_level)
     raise ConfigError(f"bad value '{sampling.sde}' for 'sampling.sde': expected one of "
                       f"{', '.join(SDE_KINDS)}")
+
+
+def check_noise(sampling: Any) -> None:
+    """A ConfigError unless the noise setting of ``sampling.sde`` gives its SDE steps a positive std: ``eta`` (dance)
+    or ``noise_level`` > 0, since 0 makes every step deterministic, with no log-prob to train; and for cps
+    ``noise_level`` <= 1, as its std ``sigma_prev * sin(a * pi / 2)`` repeats that of ``2 - a`` above 1 and turns
+    negative above 2."""
+    key, value = ("sampling.eta", sampling.eta) if sampling.sde == "dance" else \
+        ("sampling.noise_level", sampling.noise_level)
+    high = 1.0 if sampling.sde == "cps" else math.inf
+    if not 0 < value <= high:
+        bound = "in (0, 1]" if sampling.sde == "cps" else "> 0 (0 leaves no noise, so no log-prob, to train)"
+        raise ConfigError(f"bad value for '{key}': {value} must be {bound} with sampling.sde={sampling.sde}")
 
 
 def check_window_size(size: int, num_steps: int) -> None:
@@ -360,6 +374,7 @@ def build_mode(cfg: Any) -> RolloutMode:
     if cfg.sampling.sde not in SDE_KINDS:
         raise ConfigError(f"bad value '{cfg.sampling.sde}' for 'sampling.sde': expected one of "
                           f"{', '.join(SDE_KINDS)}")
+    check_noise(cfg.sampling)
     if cfg.mode.timestep_weighting not in schedules.WEIGHT_KINDS:
         raise ConfigError(f"bad value '{cfg.mode.timestep_weighting}' for 'mode.timestep_weighting': "
                           f"expected one of {', '.join(schedules.WEIGHT_KINDS)}")

@@ -118,6 +118,11 @@ def test_branch_plan_trains_owned_nodes_with_depth_pruning():
      "reward_aggregation"),  # the tree computes its own advantages
     (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4", "grpo.adv_batch_norm=true"],
      "grpo.adv_batch_norm"),
+    # a kernel without noise has no log-prob to train; CPS's sin(a*pi/2) turns negative past a = 2 (NaN log-probs)
+    (["sampling.sde=flow_grpo", "sampling.noise_level=0"], "sampling.noise_level"),
+    (["sampling.sde=cps", "sampling.noise_level=0"], "sampling.noise_level"),
+    (["sampling.sde=cps", "sampling.noise_level=2.5"], "sampling.noise_level"),
+    (["sampling.sde=dance", "sampling.eta=0"], "sampling.eta"),
 ])
 def test_bad_mode_settings_name_the_key(overrides, key):
     with pytest.raises(ConfigError, match=f"'{key}'"):
@@ -133,6 +138,11 @@ def test_a_model_type_that_is_not_a_flow_adapter_fails_when_the_config_loads(nam
     assert "'model.type'" in message and "\n" not in message
     if ":" not in name:
         assert "flow types: flux, sd3, wan" in message and "qwen2_vl" not in message.replace(f"'{name}'", "")
+
+
+def test_the_noise_setting_a_kernel_does_not_use_may_be_zero():
+    assert config("sampling.sde=dance", "sampling.noise_level=0").sampling.noise_level == 0
+    assert config("sampling.sde=cps", "sampling.eta=0", "sampling.noise_level=1").sampling.eta == 0
 
 
 def test_cps_takes_sampling_noise_level_and_dance_takes_eta():
