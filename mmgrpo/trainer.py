@@ -496,10 +496,11 @@ class Trainer:
                             if g.kl_beta > 0:
                                 if out.kl is None:
                                     raise ValueError("grpo.kl_beta > 0 but the policy returned no KL")
-                                unit_loss = unit_loss + g.kl_beta * out.kl.float()
-                                sums["kl"] += (out.kl.detach().float() * m).sum().item()
+                                kl = torch.where(m, out.kl.float(), 0.0)  # untrained units: anything, NaN too
+                                unit_loss = unit_loss + g.kl_beta * kl
+                                sums["kl"] += kl.detach().sum().item()
                             if out.entropy is not None:
-                                sums["entropy"] += (out.entropy.float() * m).sum().item()
+                                sums["entropy"] += torch.where(m, out.entropy.float(), 0.0).sum().item()
                                 entropy_reported = True
                             loss = (w * unit_loss).sum()
                             acc.backward(loss)

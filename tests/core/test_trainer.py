@@ -604,3 +604,28 @@ def test_should_stop_ends_the_run_early_with_a_checkpoint(tmp_path):
     history = Trainer(cfg).train(should_stop=lambda step, row: step >= 3)
     assert [r["step"] for r in history] == [1, 2, 3]
     assert (tmp_path / "checkpoints" / "step-3").is_dir()
+
+
+def test_the_kl_of_units_not_trained_does_not_reach_the_loss(tmp_path):
+    """A unit outside the mask may have any log-prob, even -inf (the policy losses ignore it); its KL estimate is
+    then NaN, which the KL term added to the loss and to the logged kl, so every update was skipped."""
+    from toy_bandit import ToyPolicy
+
+    class UntrainedLastToken(ToyPolicy):
+        def _token_logp(self, module, prompt_index, tokens):
+            logp = super()._token_logp(module, prompt_index, tokens)
+            return logp if module is self.reference else torch.cat([logp[:, :-1], torch.full_like(
+                logp[:, -1:], -math.inf)], dim=1)
+
+        def rollout(self, items, group_ids, group_size):
+            out = super().rollout(items, group_ids, group_size)
+            out.mask[:, -1] = False
+            return out
+
+    cfg = toy(tmp_path, "train.max_steps=2", "grpo.kl_beta=0.1", "grpo.kl_estimator=k3")
+    trainer = Trainer(cfg, policy=UntrainedLastToken(cfg))
+    before = trainer.policy.model.weight.detach().clone()
+    history = trainer.train()
+    assert trainer.skipped_updates == 0
+    assert all(isinstance(r[k], float) and math.isfinite(r[k]) for r in history for k in ("kl", "loss"))  # NaN: null
+    assert not torch.equal(trainer.policy.model.weight.detach(), before)
