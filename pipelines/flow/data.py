@@ -2,8 +2,10 @@
 ``task:NAME``.
 
 An item is a dict with ``prompt``; every other key of a jsonl object (or of a task item) is metadata that
-reaches the rewards as ``RewardBatch.meta`` (e.g. ``target_rgb`` for ``color_fraction``). Problems are
-reported as :class:`mmgrpo.config.ConfigError` naming the config key and the file.
+reaches the rewards as ``RewardBatch.meta`` (e.g. ``target_rgb`` for ``color_fraction``). An optional ``seed``
+(an integer >= 0) fixes the item's evaluation noise. The suffix ``.jsonl`` (any case) marks JSON lines; any
+other file but ``.json`` (refused) is read as one prompt a line. Problems are reported as
+:class:`mmgrpo.config.ConfigError` naming the config key and the file.
 """
 
 from __future__ import annotations
@@ -24,10 +26,14 @@ def read_prompt_file(path: str, key: str) -> list[dict]:
     except UnicodeDecodeError as err:
         raise ConfigError(f"bad value for '{key}': {file} is not UTF-8 text ({err.reason} at byte "
                           f"{err.start})") from err
-    comments = file.suffix != ".jsonl"
+    suffix = file.suffix.lower()
+    if suffix == ".json":
+        raise ConfigError(f"bad value for '{key}': {file} is a .json file; prompt files are .jsonl (one JSON object "
+                          "with a 'prompt' a line) or .txt (one prompt a line)")
+    comments = suffix != ".jsonl"
     lines = [(n, line) for n, line in enumerate(text.split("\n"), start=1)  # JSON strings may hold U+2028
              if line.strip() and not (comments and line.strip().startswith("#"))]
-    if file.suffix == ".jsonl":
+    if suffix == ".jsonl":
         items = [_jsonl_item(line, n, file, key) for n, line in lines]  # unstripped: JSON columns stay right
     else:
         items = [{"prompt": line.strip()} for _, line in lines]
@@ -45,6 +51,10 @@ def _jsonl_item(line: str, number: int, file: Path, key: str) -> dict:
     if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
         raise ConfigError(f"bad value for '{key}': {file}:{number} must be an object with a non-empty "
                           "'prompt'")
+    seed = item.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ConfigError(f"bad value for '{key}': {file}:{number}: 'seed' must be an integer >= 0 (the item's "
+                          f"evaluation noise), got {json.dumps(seed)}")
     return item
 
 

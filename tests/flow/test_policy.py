@@ -389,6 +389,25 @@ def test_bad_prompt_files_name_the_key_and_file(tmp_path, content, message):
     assert "'data.train_prompts'" in str(err.value) and str(path) in str(err.value)
 
 
+def test_a_json_or_upper_case_jsonl_file_is_not_read_as_one_prompt_a_line(tmp_path):
+    upper = tmp_path / "P.JSONL"
+    upper.write_text('{"prompt": "a red ball", "target_rgb": [255, 0, 0]}\n')
+    assert prompt_datasets(str(upper), None, 1)[0] == [{"prompt": "a red ball", "target_rgb": [255, 0, 0]}]
+    array = tmp_path / "p.json"
+    array.write_text('[\n  "a red ball",\n  "a blue ball"\n]\n')  # its lines are not prompts
+    with pytest.raises(ConfigError, match=r"^bad value for 'data.train_prompts': .*p\.json .*\.jsonl.*\.txt"):
+        prompt_datasets(str(array), None, 1)
+
+
+@pytest.mark.parametrize("seed", ['"7"', "-1", "1.5", "null", "true"])
+def test_an_item_seed_that_is_not_a_non_negative_integer_names_the_line(tmp_path, seed):
+    """``seed`` picks an item's evaluation noise (FlowPolicy.generate)."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(f'{{"prompt": "a red ball", "seed": 3}}\n{{"prompt": "a blue ball", "seed": {seed}}}\n')
+    with pytest.raises(ConfigError, match=r"p\.jsonl:2: 'seed' must be an integer >= 0"):
+        prompt_datasets(str(path), None, 1)
+
+
 def test_prompt_sources(tmp_path):
     txt = tmp_path / "p.txt"
     txt.write_text("a red ball\n\n  # a comment\n  a blue ball \n")
