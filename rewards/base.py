@@ -4,8 +4,10 @@ Three ways to write a reward, all accepted wherever a reward is named:
 
 - a :class:`Reward` subclass, registered with ``@REWARDS.register(name, kind=..., modality=...)``;
 - a plain function ``fn(batch: RewardBatch) -> list[float] | Tensor | dict[str, ...]``;
-- a TRL-style function ``fn(prompts, completions, **kwargs) -> list[float]``, wrapped by :func:`trl_reward`
-  (the per-sample ``meta`` fields arrive as keyword lists, as TRL passes dataset columns).
+- a TRL-style function ``fn(prompts, completions, **kwargs) -> list[float]`` (or any signature with a
+  ``completions`` parameter, such as ``fn(completions, solution, **kwargs)``), wrapped by :func:`trl_reward` and
+  called by keyword as TRL calls it (the per-sample ``meta`` fields arrive as keyword lists, as TRL passes dataset
+  columns).
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ class FunctionReward(Reward):
 
 
 def trl_reward(fn: Callable[..., Sequence[float]]) -> FunctionReward:
-    """Wrap a TRL-style reward ``fn(prompts, completions, **columns) -> list[float]``.
+    """Wrap a TRL-style reward ``fn(prompts, completions, **columns) -> list[float]``, called by keyword as TRL
+    calls it: ``fn(prompts=..., completions=..., **columns)``, so ``fn(completions, solution, **kwargs)`` works too.
 
     Every key present in the samples' ``meta`` is passed as a keyword list, so a TRL reward that reads
     ``solution`` works unchanged. ``None`` scores (TRL's "not applicable") become NaN."""
@@ -139,7 +142,7 @@ def trl_reward(fn: Callable[..., Sequence[float]]) -> FunctionReward:
             raise ValueError(f"TRL-style reward '{fn.__name__}' needs text completions; this batch has none")
         columns = sorted({k for m in batch.meta for k in m})
         kwargs = {k: [m.get(k) for m in batch.meta] for k in columns}
-        scores = fn(batch.prompts, batch.completions, **kwargs)
+        scores = fn(prompts=batch.prompts, completions=batch.completions, **kwargs)
         return torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float64)
 
     call.__name__ = getattr(fn, "__name__", "trl_reward")
@@ -147,13 +150,14 @@ def trl_reward(fn: Callable[..., Sequence[float]]) -> FunctionReward:
 
 
 def is_trl_signature(fn: Callable) -> bool:
-    """True for ``fn(prompts, completions, **kwargs)``; False for ``fn(batch)``."""
+    """True for a TRL reward, which takes ``completions`` by keyword (``fn(prompts, completions, **kwargs)``,
+    ``fn(completions, solution, **kwargs)``); False for ``fn(batch)``."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         return False
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return names[:2] == ["prompts", "completions"]
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return "completions" in names and names[0] != "batch"
 
 
 def as_scores(output: Any, n: int, name: str) -> dict[str, torch.Tensor]:

@@ -69,8 +69,8 @@ def build_reward(name: str, args: dict[str, Any] | None = None, device: str | to
     """Instantiate a reward by registered name or ``module:attr``.
 
     A class or factory is called with ``args``; a plain function becomes a :class:`FunctionReward` (or a TRL-style
-    wrapper when its first parameters are ``prompts, completions``). With ``device``, the reward is built there when
-    its constructor takes ``device``, and moved there with ``.to(device)`` in any case."""
+    wrapper when it takes ``completions``, see :func:`~.base.is_trl_signature`). With ``device``, the reward is
+    built there when its constructor takes ``device``, and moved there with ``.to(device)`` in any case."""
     entry = REWARDS.entry(name)
     obj, args = entry.obj, dict(args or {})
     if device is not None and _takes_device(obj):
@@ -155,7 +155,8 @@ def check_spec(name: str, args: dict[str, Any] | None, key: str) -> None:
 
 def called_on_batches(fn: Any) -> bool:
     """Whether the plain function ``fn`` is a reward itself, called on each batch: ``fn(batch)`` or TRL's
-    ``fn(prompts, completions, **kwargs)``, rather than a factory called with the spec's args."""
+    ``fn(prompts, completions, **kwargs)`` (any signature with ``completions``), rather than a factory called with
+    the spec's args."""
     if is_trl_signature(fn):
         return True
     try:

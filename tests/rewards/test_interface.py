@@ -29,6 +29,15 @@ def trl_style(prompts, completions, solution, **kwargs):
     return [None if s is None else float(c == s) for c, s in zip(completions, solution)]
 
 
+def open_r1_accuracy(completions, solution, **kwargs):
+    """TRL / open-r1 style without a prompts parameter: TRL passes everything by keyword."""
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def completion_length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
 def sees_inputs(batch):
     """Reads the input images and the per-sample meta."""
     return batch.images.mean(dim=(1, 2, 3)) * torch.tensor([m["scale"] for m in batch.meta])
@@ -101,6 +110,17 @@ def test_trl_style_function_is_wrapped(user_module):
     batch = batch2(completions=["x", "y"], meta=[{"solution": "x"}, {"solution": None}])
     out = reward(batch)
     assert out[0].item() == 1.0 and math.isnan(out[1])
+
+
+def test_trl_functions_without_a_prompts_parameter_get_their_columns_by_keyword(user_module):
+    """TRL calls ``fn(prompts=..., completions=..., **columns)``, so its rewards often skip ``prompts``
+    (``accuracy_reward(completions, solution, **kwargs)``): they work unchanged too."""
+    from user_rewards_mod import completion_length, open_r1_accuracy
+
+    assert is_trl_signature(open_r1_accuracy) and is_trl_signature(completion_length)
+    batch = batch2(completions=["x", "yy"], meta=[{"solution": "x"}, {"solution": "z"}])
+    main, _, _ = zoo(f"{user_module}:open_r1_accuracy", f"{user_module}:completion_length")(batch)
+    assert main.tolist() == [[1.0, 1.0], [0.0, 2.0]]
 
 
 def test_custom_reward_sees_images_and_meta(user_module):
