@@ -71,6 +71,7 @@ class FlowPolicy(Policy):
         self.model = self.adapter.transformer
         s = cfg.sampling
         self.latent_dtype = getattr(torch, s.latent_dtype)
+        self.adapter.latent_shape(1, s.height, s.width, s.num_frames)  # a size the model cannot take fails here
         self.sigmas = self.adapter.sigmas(s.num_steps, s.height, s.width, s.num_frames).float()
         self.kernel = sde_kernel(s, float(self.sigmas[1]))
         self.schedule_std = self._schedule_std()

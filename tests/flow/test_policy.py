@@ -430,6 +430,13 @@ def test_prompt_sources(tmp_path):
         i["prompt"] for i in train}
 
 
+@pytest.mark.parametrize("size", ["sampling.height=24", "sampling.width=40"])
+def test_an_image_size_the_model_cannot_patch_fails_when_the_policy_is_built(size, adapter, tmp_path):
+    """The tiny SD3 (8x VAE, patch 2) needs multiples of 16 px: found before any rollout or evaluation."""
+    with pytest.raises(ConfigError, match=rf"^bad value for '{size.split('=')[0]}': .*multiple of 16"):
+        FlowPolicy(config("tiny_flowgrpo", tmp_path, size), adapter=adapter)
+
+
 def test_unknown_model_type_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="'model.type'"):
         FlowPolicy(config("tiny_flowgrpo", tmp_path, "model.type=sd9"))
