@@ -18,6 +18,8 @@ from torch import nn
 
 from mmgrpo.pipelines.vlm.model import unwrap
 
+BLOCK_MASK_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that take the Prefix Grouper's 4-D block mask."""
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
 
@@ -155,7 +157,7 @@ def packed_logits(model: nn.Module, prompts: list[dict[str, torch.Tensor]], comp
     """(n,L,V) logits as :func:`standard_logits` gives them (masked positions hold some row's logits), from the
     Prefix Grouper: one sequence ``[prompt_a; its completions' real tokens; prompt_b; ...]`` in one forward."""
     attention = unwrap(model).config._attn_implementation
-    if attention not in ("sdpa", "eager"):
+    if attention not in BLOCK_MASK_ATTENTION:
         raise ValueError(f"prefix_grouper needs sdpa or eager attention (it passes a block attention mask), not "
                          f"{attention}; set model.attn_implementation=sdpa or prefix_grouper=false")
     n, length = completion_ids.shape

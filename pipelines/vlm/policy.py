@@ -32,7 +32,7 @@ from mmgrpo.pipelines.vlm import care, tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
 from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, read_task_split, render_prompt, reward_meta
 from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
-from mmgrpo.pipelines.vlm.logprobs import token_logprobs_and_entropy
+from mmgrpo.pipelines.vlm.logprobs import BLOCK_MASK_ATTENTION, token_logprobs_and_entropy
 from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.pipelines.vlm.prompt_cache import PromptCache
 from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
@@ -147,10 +147,10 @@ def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
     if unknown:
         raise ConfigError(f"bad value for 'data.type_instructions': {unknown} are not problem types; expected some "
                           f"of {', '.join(PROBLEM_TYPES)}")
-    if cfg.prefix_grouper and cfg.model.attn_implementation == "flash_attention_2":
-        raise ConfigError("prefix_grouper needs a block attention mask, which flash_attention_2 cannot take: set "
-                          "'model.attn_implementation' to sdpa (its memory-efficient kernel takes the mask) or "
-                          "prefix_grouper=false")
+    if cfg.prefix_grouper and cfg.model.attn_implementation not in BLOCK_MASK_ATTENTION:
+        raise ConfigError(f"prefix_grouper needs a block attention mask, which {cfg.model.attn_implementation} "
+                          "cannot take: set 'model.attn_implementation' to sdpa (its memory-efficient kernel takes "
+                          "the mask) or prefix_grouper=false")
     check_video_config(cfg.video)
     care.bonus_spec(cfg)
 

@@ -515,6 +515,16 @@ def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
         VLMPolicy(config(tmp_path, overrides=("model.attn_implementation=flash_attention_2", "prefix_grouper=true")))
 
 
+@pytest.mark.parametrize("attention", ["flash_attention_3", "flex_attention"])
+def test_prefix_grouper_with_an_attention_that_takes_no_block_mask_fails_when_the_config_loads(tmp_path, attention):
+    """Only sdpa and eager take the Prefix Grouper's block mask: any other kernel would fail at the first training
+    forward, after a whole rollout, with a traceback."""
+    with pytest.raises(ConfigError, match=rf"{attention} cannot take: set 'model.attn_implementation'.*"
+                                          r"prefix_grouper=false"):
+        config(tmp_path, overrides=(f"model.attn_implementation={attention}", "prefix_grouper=true"))
+    config(tmp_path, overrides=(f"model.attn_implementation={attention}", "prefix_grouper=false"))
+
+
 def test_two_processes_train_a_vision_tower_on_images_mixed_with_text_only_questions(train_on_two_processes,
                                                                                      tmp_path):
     """tiny_image trains the vision tower; with every second question text-only, a step where one process draws
