@@ -124,10 +124,10 @@ PAIRWISE_PRESETS = {
 
 
 def fill(template: str, **values: Any) -> str:
-    """``template`` with each ``{name}`` of ``values`` replaced; other braces (JSON examples) are left alone."""
-    for name, value in values.items():
-        template = template.replace("{" + name + "}", str(value))
-    return template
+    """``template`` with each ``{name}`` of ``values`` replaced, in one pass (a value's own text, such as a prompt
+    holding ``{hi}``, stays as it is); other braces (JSON examples) are left alone."""
+    pattern = "|".join(re.escape("{" + name + "}") for name in values)
+    return re.sub(pattern, lambda m: str(values[m.group(0)[1:-1]]), template) if values else template
 
 
 # ---------------------------------------------------------------------------------------------------- parsers

@@ -135,6 +135,17 @@ def test_text_completions_and_custom_template():
     assert stub.requests[0] == ['Response:\n42\n\nQ: what is 6*7? (response) rate 1-5, answer {"score": n}']
 
 
+def test_prompts_are_put_into_the_template_verbatim():
+    """A prompt holding a placeholder's spelling (LaTeX ``T_{hi}``, ``x_{lo}``) reaches the judge as written."""
+    prompt = "is T_{hi} > T_{lo} for this {subject}?"
+    stub = StubJudge(lambda r: "Score: 3")
+    batch = RewardBatch(prompts=[prompt], group=torch.zeros(1, dtype=torch.long), completions=["yes"])
+    VLMJudge(backend=stub, template="{prompt} | {subject} {lo}-{hi}")(batch)
+    assert stub.requests[0] == [f"Response:\nyes\n\n{prompt} | response 1-5"]
+    VLMPairwise(backend=stub, template="{prompt} | {Subject}")(batch.select([0, 0]))
+    assert stub.requests[1][0].endswith(f"{prompt} | Response")
+
+
 def test_artifacts_preset():
     answers = iter(['{"artifacts": []}', '{"artifacts": [{"type": "extra fingers", "severity": 2}]}',
                     ('```json\n{"artifacts": [{"type": "a", "severity": 3}, {"type": "b", "severity": 3}, '
