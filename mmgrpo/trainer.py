@@ -780,13 +780,19 @@ class Trainer:
         return history
 
     def _reward_metrics(self, main: torch.Tensor, logged: dict[str, torch.Tensor]) -> dict[str, float]:
-        """reward/mean (the weighted combination) and reward/<name>/mean for every reward and sub-score."""
-        out = {"reward/mean": weighted_reward(main, self.rewards.weights).nanmean().item()}
-        for name, scores in logged.items():
-            out[f"reward/{name}/mean"] = scores.nanmean().item()
-            nan = scores.isnan().float().mean().item()
-            if nan:
-                out[f"reward/{name}/nan_frac"] = nan
+        """reward/mean (the weighted combination) and reward/<name>/mean for every reward and sub-score: means over
+        the non-NaN scores of every process's samples (NaN when there is none), and reward/<name>/nan_frac, the
+        fraction of all samples with a NaN score, when it is not 0. Every process must call this."""
+        columns = {"reward/mean": weighted_reward(main, self.rewards.weights),
+                   **{f"reward/{name}": scores for name, scores in logged.items()}}
+        local = {key: (v.double().nansum().item(), int((~v.isnan()).sum()), v.numel()) for key, v in columns.items()}
+        parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        out = {}
+        for key in columns:  # every process scores with the same rewards and sub-scores
+            total, valid, count = (sum(part[key][i] for part in parts) for i in range(3))
+            out[key if key == "reward/mean" else f"{key}/mean"] = total / valid if valid else math.nan
+            if key != "reward/mean" and valid < count:
+                out[f"{key}/nan_frac"] = 1 - valid / count
         return out
 
     def _emit(self, rows: list[dict[str, float]], log: MetricsLog | None, bar: tqdm) -> None:

@@ -629,3 +629,21 @@ def test_the_kl_of_units_not_trained_does_not_reach_the_loss(tmp_path):
     assert trainer.skipped_updates == 0
     assert all(isinstance(r[k], float) and math.isfinite(r[k]) for r in history for k in ("kl", "loss"))  # NaN: null
     assert not torch.equal(trainer.policy.model.weight.detach(), before)
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
+def test_reward_means_are_over_the_samples_of_every_process(tmp_path, support_env):
+    """reward/<name>/mean was each process's nanmean averaged over processes: NaN (null) as soon as one process had
+    no sample the reward applies to, and a process with fewer such samples weighed as much as the others; the
+    nan_frac was averaged over the processes that had a NaN only."""
+    out = tmp_path / "row.json"
+    config = SUPPORT.parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
+    env = {**support_env, "PYTHONPATH": f"{Path(__file__).parent}:{support_env['PYTHONPATH']}", "OMP_NUM_THREADS": "1"}
+    cmd = ["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+           str(Path(__file__).parent / "ddp_reward_metrics.py"), str(out), str(tmp_path / "run")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())
+    # 4 samples per process; rank 0: 2 NaN and 2 zeros, rank 1: 4 ones
+    assert row["reward/ddp_reward_metrics:sparse/mean"] == pytest.approx(4 / 6)
+    assert row["reward/ddp_reward_metrics:sparse/nan_frac"] == pytest.approx(2 / 8)
