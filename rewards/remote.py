@@ -127,7 +127,8 @@ class RemoteReward(Reward):
         retries: extra attempts after a connection failure, a timeout or a 429/502/503/504 answer.
         backoff: seconds before the first retry, doubled after each attempt (at most 30 s).
         on_failure: ``error`` raises a one-line error naming the URL; ``nan`` scores the samples of failed
-            requests NaN ("does not apply") and warns (``failed_requests`` counts them).
+            requests NaN ("does not apply"), in the main score and every sub-score the server reward has returned
+            so far (so the reward's output keeps its names), and warns (``failed_requests`` counts them).
         token_env: environment variable holding the server's token, sent as ``Authorization: Bearer`` when set.
         encoding: pixels on the wire, ``float16`` or ``uint8``.
     """
@@ -156,6 +157,8 @@ class RemoteReward(Reward):
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.failed_requests = 0
         self.version_checked = False
+        self.score_names = ["score"]
+        """The names of the server reward's scores seen so far (``score`` first), which a failed call returns."""
 
     def _check_version(self) -> None:
         """The server's ``GET /health`` must report this client's ``WIRE_VERSION`` (checked once)."""
@@ -211,7 +214,7 @@ class RemoteReward(Reward):
         if failed:
             warnings.warn(f"remote reward: {len(failed)} request(s) failed, their samples score NaN: {failed[0]}",
                           RuntimeWarning, stacklevel=2)
-        keys = list(dict.fromkeys(k for _, part in parts for k in part)) or ["score"]
+        self.score_names = keys = list(dict.fromkeys([*self.score_names, *(k for _, part in parts for k in part)]))
         out = {k: torch.full((len(batch),), math.nan, dtype=torch.float64) for k in keys}
         for rows, part in parts:
             index = torch.tensor(rows)

@@ -224,6 +224,21 @@ def test_unreachable_server_fails_in_one_line_or_scores_nan():
     assert scores.isnan().all() and remote.failed_requests == 3
 
 
+def test_failed_requests_keep_the_sub_scores_of_the_server_reward(mod):
+    """Under on_failure=nan a failed call returns the same sub-scores as a good one (NaN): a reward whose logged
+    names changed with the server's health would give processes different metric keys, and their gathers would
+    not match."""
+    batch = image_batch(4)
+    server = RewardServer([user("with_subs")], port=0).start()
+    remote = RemoteReward(server.url, retries=0, on_failure="nan")
+    good = remote(batch)
+    server.stop()
+    with pytest.warns(RuntimeWarning, match="1 request\\(s\\) failed"):
+        failed = remote(batch)
+    assert set(good) == {"score", "extra"} and isinstance(failed, dict) and set(failed) == set(good)
+    assert all(v.isnan().all() and v.shape == (4,) for v in failed.values())
+
+
 def test_a_retry_after_a_read_timeout_is_not_scored_twice(mod):
     """The client times out while the server is still scoring and resends the batch: the server recognises the
     request id, waits for the first scoring and answers with it. The reward runs once."""
