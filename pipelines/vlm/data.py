@@ -229,6 +229,12 @@ def read_task_split(source: str, split: str, n: int | None, start: int, cache_di
     return read_samples(folder / f"{split}.jsonl", folder)
 
 
+def labelled(options: list[str]) -> bool:
+    """Whether every option carries a letter label (``A. x``, ``(A) x``, ``A) x``, ``A: x``), so the options are
+    shown as given; otherwise they are all labelled anew, their texts whole."""
+    return all(_OPTION_LABEL.match(o) for o in options)
+
+
 def format_options(options: list[str]) -> str:
     """``"\\nOptions:\\nA. ...\\nB. ..."``, or ``""`` without options.
 
@@ -236,7 +242,7 @@ def format_options(options: list[str]) -> str:
     data; otherwise they are labelled A, B, C, ... in order."""
     if not options:
         return ""
-    if not all(_OPTION_LABEL.match(o) for o in options):
+    if not labelled(options):
         if len(options) > 26:
             raise ConfigError(f"cannot label {len(options)} options with the letters A-Z")
         options = [f"{chr(ord('A') + i)}. {o}" for i, o in enumerate(options)]
@@ -255,8 +261,8 @@ def rotate_options(sample: VLMSample, shift: int) -> VLMSample:
     if letter not in labels:
         raise ValueError(f"{sample.source}: cannot rotate the options, the solution {sample.solution!r} is not one "
                          f"of the option letters {labels}")
-    texts = [_OPTION_LABEL.sub("", o, count=1).strip() if _OPTION_LABEL.match(o) else o.strip()
-             for o in sample.options]
+    strip = labelled(sample.options)  # as the prompt shows them (format_options)
+    texts = [_OPTION_LABEL.sub("", o, count=1).strip() if strip else o.strip() for o in sample.options]
     shift %= n
     moved = labels[(labels.index(letter) - shift) % n]
     solution = moved if inner is None else f"<answer>{moved}</answer>"

@@ -16,6 +16,7 @@ from mmgrpo.pipelines.vlm.config import VLMDataConfig, VLMVideoConfig
 from mmgrpo.pipelines.vlm.data import (
     VLMSample,
     chat_content,
+    format_options,
     read_samples,
     render_prompt,
     reward_meta,
@@ -337,6 +338,15 @@ def test_rotate_options_moves_the_texts_and_the_answer_together():
     assert sorted(letters) == ["A", "B", "C", "D"]
     plain = VLMSample("Which way?", "multiple choice", ["left", "right"], "b")  # unlabelled, bare letter
     assert rotate_options(plain, 1).options == ["A. right", "B. left"] and rotate_options(plain, 1).solution == "A"
+
+
+def test_rotate_options_keeps_unlabelled_texts_whole_as_the_prompt_shows_them():
+    """Options that are not all labelled are shown labelled A, B, ... with their texts whole (format_options):
+    the rotation must move those texts, not cut a letter-and-dot start ("U.S." -> "S.") off some of them."""
+    s = VLMSample("Which country?", "multiple choice", ["U.S.", "France", "Spain"], "A")
+    assert format_options(s.options) == "\nOptions:\nA. U.S.\nB. France\nC. Spain"
+    one = rotate_options(s, 1)
+    assert one.options == ["A. France", "B. Spain", "C. U.S."] and one.solution == "C"
 
 
 def test_rotate_options_rejects_a_solution_that_is_not_an_option_letter():
