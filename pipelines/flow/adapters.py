@@ -627,6 +627,7 @@ class FlowAdapter:
         from safetensors.torch import load_file
 
         prefix = f"{type(self.pipe).transformer_name}."
+        _check_lora_config(file, prefix, part.peft_config["default"])
         state = {k.removeprefix(prefix): v for k, v in load_file(file).items() if k.startswith(prefix)}
         expected = set(get_peft_model_state_dict(part))
         if set(state) != expected:
@@ -634,6 +635,22 @@ class FlowAdapter:
             raise ValueError(f"LoRA weights in {file} do not match this adapter (rank/targets?): "
                              f"missing {missing[:3]}, unexpected {extra[:3]}")
         set_peft_model_state_dict(part, state)
+
+
+def _check_lora_config(file: Path, prefix: str, config: Any) -> None:
+    """A ValueError unless the rank and alpha that ``file``'s adapter metadata (``prefix`` + ``r`` / ``lora_alpha``,
+    as diffusers' ``save_lora_weights`` writes it) records equal those of the PEFT ``config`` it loads into: the
+    same weights under another alpha are another model. A file without that metadata is not checked."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), "pt") as f:
+        raw = (f.metadata() or {}).get("lora_adapter_metadata")
+    saved = json.loads(raw) if raw else {}
+    for key, name in (("r", "lora_rank"), ("lora_alpha", "lora_alpha")):
+        value = saved.get(prefix + key)
+        if value is not None and value != getattr(config, key):
+            raise ValueError(f"LoRA weights in {file} were trained with {name} {value}, but 'model.{name}' is "
+                             f"{getattr(config, key)}")
 
 
 def lora_folder(directory: Path, part: str) -> Path:

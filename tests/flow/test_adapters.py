@@ -305,6 +305,28 @@ def test_saved_lora_loads_in_stock_diffusers_and_back(kind, adapter_of, tmp_path
         assert all(torch.equal(p, q) for p, q in zip(trainable(ad), trained))
 
 
+@pytest.mark.parametrize(("key", "config_key", "saved", "current"), [("lora_alpha", "lora_alpha", 16, 8),
+                                                                     ("r", "lora_rank", 8, 4)])
+def test_a_lora_file_of_another_alpha_or_rank_is_refused_by_name(key, config_key, saved, current, adapter_of,
+                                                                 tmp_path):
+    """The file's adapter config (diffusers' safetensors metadata) says what it was trained with: another alpha
+    scales the same weights differently (it loaded silently), another rank has other shapes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    ad = adapter_of("sd3")  # rank 4, alpha 8
+    ad.save_trainable(tmp_path)
+    file = tmp_path / adapters_module.LORA_WEIGHT_NAME
+    with safe_open(str(file), "pt") as f:
+        metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    config = json.loads(metadata["lora_adapter_metadata"])
+    assert config[f"transformer.{key}"] == current
+    config[f"transformer.{key}"] = saved
+    save_file(tensors, file, metadata={**metadata, "lora_adapter_metadata": json.dumps(config)})
+    with restored(ad), pytest.raises(ValueError, match=rf"{config_key} {saved}, .* 'model.{config_key}' is {current}"):
+        ad.load_trainable(tmp_path)
+
+
 def test_full_fine_tune_trains_everything_saves_a_transformer_folder_and_keeps_a_reference(tiny_cache, tmp_path):
     ad = load_adapter(tiny_cfg("sd3", lora_rank=0), keep_reference=True)
     params = list(ad.transformer.parameters())
