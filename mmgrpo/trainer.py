@@ -538,12 +538,16 @@ class Trainer:
                     self.ema.update()
                 self.step += 1
                 self.policy.after_optimizer_step(self.step)
-                metrics = ratio_stats(torch.cat(ratios), torch.cat(masks), torch.cat(clips))
-                # the KL and entropy of the whole batch: per-unit means over all processes' units (a process
-                # with fewer trained tokens, or none, must not weigh as much as the others)
-                kl_sum, entropy_sum, units = acc.reduce(torch.tensor(
-                    [sums["kl"], sums["entropy"], sums["units"]], dtype=torch.float64, device=acc.device),
+                ratio, trained, clipped = torch.cat(ratios), torch.cat(masks), torch.cat(clips)
+                metrics = ratio_stats(ratio, trained, clipped)  # ratio/max_dev: reduce_metrics takes the max
+                # the ratio, clipping, KL and entropy of the whole batch: per-unit means over all processes' units
+                # (a process with fewer trained tokens, or none, must not weigh as much as the others)
+                kl_sum, entropy_sum, ratio_sum, clipped_sum, units = acc.reduce(torch.tensor(
+                    [sums["kl"], sums["entropy"], ratio.detach().double()[trained].sum().item(),
+                     clipped[trained].sum().item(), sums["units"]], dtype=torch.float64, device=acc.device),
                     reduction="sum").tolist()
+                if units:
+                    metrics.update({"ratio/mean": ratio_sum / units, "clip_frac": clipped_sum / units})
                 metrics.update({
                     "loss": sums["loss"],
                     "kl": kl_sum / max(units, 1.0),

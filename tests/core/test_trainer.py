@@ -632,18 +632,23 @@ def test_the_kl_of_units_not_trained_does_not_reach_the_loss(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="the accelerate launcher is not on PATH")
-def test_reward_means_are_over_the_samples_of_every_process(tmp_path, support_env):
-    """reward/<name>/mean was each process's nanmean averaged over processes: NaN (null) as soon as one process had
-    no sample the reward applies to, and a process with fewer such samples weighed as much as the others; the
-    nan_frac was averaged over the processes that had a NaN only."""
-    out = tmp_path / "row.json"
+def test_logged_means_are_over_the_samples_and_units_of_every_process(tmp_path, support_env):
+    """reward/<name>/mean, ratio/mean and clip_frac were each process's mean averaged over processes: a reward's
+    mean was NaN (null) as soon as one process had no sample it applies to, a process with fewer samples or trained
+    tokens weighed as much as the others, and one with none counted as ratio 1 and clip_frac 0; the nan_frac was
+    averaged over the processes that had a NaN only."""
+    out = tmp_path / "out.json"
     config = SUPPORT.parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
     env = {**support_env, "PYTHONPATH": f"{Path(__file__).parent}:{support_env['PYTHONPATH']}", "OMP_NUM_THREADS": "1"}
     cmd = ["accelerate", "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
-           str(Path(__file__).parent / "ddp_reward_metrics.py"), str(out), str(tmp_path / "run")]
+           str(Path(__file__).parent / "ddp_metrics.py"), str(out), str(tmp_path / "run")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row = json.loads(out.read_text())
-    # 4 samples per process; rank 0: 2 NaN and 2 zeros, rank 1: 4 ones
-    assert row["reward/ddp_reward_metrics:sparse/mean"] == pytest.approx(4 / 6)
-    assert row["reward/ddp_reward_metrics:sparse/nan_frac"] == pytest.approx(2 / 8)
+    result = json.loads(out.read_text())
+    row = result["row"]  # 4 samples per process; rank 0: 2 NaN and 2 zeros, rank 1: 4 ones
+    assert row["reward/ddp_metrics:sparse/mean"] == pytest.approx(4 / 6)
+    assert row["reward/ddp_metrics:sparse/nan_frac"] == pytest.approx(2 / 8)
+    rank0, rank1 = result["steps"]  # rank 0 trains no unit: the batch's numbers are rank 1's
+    assert rank1[1]["ratio/mean"] != 1.0 and rank1[1]["clip_frac"] > 0  # the second epoch is off-policy
+    for key in ("ratio/mean", "clip_frac", "kl"):
+        assert [m[key] for m in rank0] == [m[key] for m in rank1], key

@@ -1,0 +1,64 @@
+"""Run under ``accelerate launch`` with two processes; writes OUT.json with what the checks below found.
+
+- ``row``: the logged row of one training step of the toy bandit with a zero-weight reward that applies to half of
+  rank 0's samples (score 0) and to all of rank 1's (score 1).
+- ``steps``: per rank, the metrics of two off-policy updates (two inner epochs) in which rank 0 trains no unit.
+
+Usage: ddp_metrics.py OUT.json RUN_DIR
+"""
+
+import json
+import math
+import sys
+
+import torch
+
+
+def sparse(batch) -> list[float]:
+    """Rank 0: NaN for the first half of the batch, 0 for the rest; rank 1: 1 for every sample."""
+    n = len(batch.completions)
+    if torch.distributed.get_rank() == 1:
+        return [1.0] * n
+    return [math.nan] * (n // 2) + [0.0] * (n - n // 2)
+
+
+if __name__ == "__main__":
+    from accelerate.utils import gather_object
+    from toy_bandit import ToyConfig, ToyPolicy
+
+    from mmgrpo.config import load_config
+    from mmgrpo.trainer import Trainer
+
+    out_path, run_dir = sys.argv[1], sys.argv[2]
+    quiet = ["logging.progress=false", "logging.tensorboard=false", "logging.plot_every=0"]
+    cfg = load_config(None, [f"output_dir={run_dir}", "train.prompts_per_step=2", "train.group_size=4",
+                             "train.max_steps=1", *quiet,
+                             "rewards=[{name: 'toy_bandit:match_reward'}, {name: 'ddp_metrics:sparse', weight: 0}]"],
+                      schema=ToyConfig)
+    trainer = Trainer(cfg)
+    history = trainer.train()
+    acc = trainer.accelerator
+    trainer.policy.model = acc.unwrap_model(trainer.policy.model)  # done with it: its DDP wrapper holds the group
+
+    class RankZeroTrainsNothing(ToyPolicy):
+        def rollout(self, items, group_ids, group_size):
+            out = super().rollout(items, group_ids, group_size)
+            out.mask[:] = acc.process_index == 1
+            return out
+
+    cfg = load_config(None, [f"output_dir={run_dir}-second", "train.prompts_per_step=2", "train.group_size=4",
+                             "train.num_inner_epochs=2", "grpo.clip_eps=0.01", "optim.lr=0.5", *quiet],
+                      schema=ToyConfig)
+    second = Trainer(cfg, policy=RankZeroTrainsNothing(cfg), accelerator=acc)
+    items_idx, group_ids = second.sampler.next()
+    with torch.no_grad():
+        rollout = second.policy.rollout([second.train_items[i] for i in items_idx], group_ids, 4)
+    main, _, _ = second.rewards(rollout.reward_batch)
+    unit_adv, _ = second.compute_advantages(rollout, main)
+    steps = []
+    second.train_on_rollout(rollout, unit_adv, steps.append)
+    steps = gather_object([steps])
+    if acc.is_main_process:
+        with open(out_path, "w") as f:
+            json.dump({"row": history[-1], "steps": steps}, f)
+    second.close()
