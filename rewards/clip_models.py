@@ -407,9 +407,13 @@ class Aesthetic(ClipEmbeddingReward):
         super().__init__(device, dtype, text_cache_size=0, batch_size=batch_size)
         path = hub_file(checkpoint, hub_repo, hub_filename, self.name)
         self.mlp = AestheticMLP(embed_dim)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        state = state.get("state_dict", state) if isinstance(state, dict) else state
-        state = {k.removeprefix("module."): v for k, v in state.items()}
+        try:  # a plain state dict, or one under "state_dict"
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = state.get("state_dict", state) if isinstance(state, dict) else state
+            state = {k.removeprefix("module."): v for k, v in state.items()}
+        except (*LOAD_ERRORS, AttributeError) as err:  # not a torch file (a saved error page), or not a dict
+            raise RuntimeError(f"aesthetic: '{path}' is not a state dict saved by torch.save "
+                               f"({type(err).__name__}: {one_line(err, 160)})") from None
         try:
             self.mlp.load_state_dict(state)
         except RuntimeError as err:

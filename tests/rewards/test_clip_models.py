@@ -343,6 +343,18 @@ def test_aesthetic_checks_embedding_size_and_key_layout(tiny_models, tmp_path):
         build_reward("aesthetic", {**args, "checkpoint": str(tmp_path / "wrong.pth")})
 
 
+def test_aesthetic_file_that_is_not_a_state_dict_is_one_line_naming_it(tiny_models, tmp_path):
+    """An HTML page saved by a failed download, or a tensor saved instead of a state dict."""
+    args = reward_args("aesthetic", tiny_models)
+    (tmp_path / "page.pth").write_text("<html>404</html>")
+    torch.save([torch.zeros(3)], tmp_path / "list.pth")
+    for name in ("page.pth", "list.pth"):
+        path = str(tmp_path / name)
+        with pytest.raises(RuntimeError, match=f"^aesthetic: '{path}' is not a state dict") as err:
+            build_reward("aesthetic", {**args, "checkpoint": path})
+        assert "\n" not in str(err.value)
+
+
 def test_openai_tags_get_quick_gelu(monkeypatch):
     """open_clip only warns when an OpenAI (QuickGELU) tag meets a GELU config; the loader sets it."""
     seen = {}
