@@ -586,8 +586,9 @@ class Trainer:
         return means
 
     def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Average scalar metrics over processes (max for the *max_dev keys). Processes may report different keys
-        (a counter only one of them hit); each key is reduced over the processes that have it."""
+        """Average scalar metrics over processes (max for the *max_dev keys, over the processes that measured one:
+        NaN only when none did). Processes may report different keys (a counter only one of them hit); each key is
+        reduced over the processes that have it."""
         if self.accelerator.num_processes == 1:
             return metrics
         merged: dict[str, list[float]] = {}
@@ -595,7 +596,8 @@ class Trainer:
             for k, v in part.items():
                 if isinstance(v, (int, float)) and v is not None:
                     merged.setdefault(k, []).append(float(v))
-        return {k: (max(v) if "max_dev" in k else sum(v) / len(v)) for k, v in merged.items()}
+        return {k: (max((x for x in v if not math.isnan(x)), default=math.nan) if "max_dev" in k else sum(v) / len(v))
+                for k, v in merged.items()}
 
     # ----------------------------------------------------------------------------------------- the loop
     @contextmanager

@@ -3,6 +3,7 @@
 - ``row``: the logged row of one training step of the toy bandit with a zero-weight reward that applies to half of
   rank 0's samples (score 0) and to all of rank 1's (score 1).
 - ``steps``: per rank, the metrics of two off-policy updates (two inner epochs) in which rank 0 trains no unit.
+- ``max_dev``: ``reduce_metrics`` of a max_dev that rank 0 could not measure (NaN) and rank 1 measured as 0.5.
 
 Usage: ddp_metrics.py OUT.json RUN_DIR
 """
@@ -58,7 +59,8 @@ if __name__ == "__main__":
     steps = []
     second.train_on_rollout(rollout, unit_adv, steps.append)
     steps = gather_object([steps])
+    max_dev = second.reduce_metrics({"ratio/onpolicy_max_dev": 0.5 if acc.process_index else math.nan})
     if acc.is_main_process:
         with open(out_path, "w") as f:
-            json.dump({"row": history[-1], "steps": steps}, f)
+            json.dump({"row": history[-1], "steps": steps, "max_dev": max_dev["ratio/onpolicy_max_dev"]}, f)
     second.close()

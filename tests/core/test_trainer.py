@@ -652,3 +652,4 @@ def test_logged_means_are_over_the_samples_and_units_of_every_process(tmp_path, 
     assert rank1[1]["ratio/mean"] != 1.0 and rank1[1]["clip_frac"] > 0  # the second epoch is off-policy
     for key in ("ratio/mean", "clip_frac", "kl"):
         assert [m[key] for m in rank0] == [m[key] for m in rank1], key
+    assert result["max_dev"] == 0.5  # a process that measured nothing (NaN) does not hide the others' maximum
