@@ -151,6 +151,8 @@ class TemporalConsistency(Reward):
                  batch_size: int = 32):
         if batch_size < 1:
             raise ValueError(f"temporal_consistency: batch_size must be >= 1; got {batch_size}")
+        if frames is not None and frames < 2:
+            raise ValueError(f"temporal_consistency: frames must be >= 2 (or None for all); got {frames}")
         self.batch_size = int(batch_size)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)

@@ -168,6 +168,9 @@ def test_temporal_consistency_encodes_batch_size_frames_at_a_time(tiny_models):
     torch.testing.assert_close(sliced, whole(video_batch(videos, PROMPTS[:2])), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         build_reward("temporal_consistency", {**clip_args(tiny_models), "batch_size": 0})
+    for frames in (0, 1):  # no pair of frames to compare: every video would score NaN
+        with pytest.raises(ValueError, match=r"temporal_consistency: frames must be >= 2 \(or None for all\)"):
+            build_reward("temporal_consistency", {**clip_args(tiny_models), "frames": frames})
 
 
 def test_temporal_consistency_samples_frames_and_takes_grayscale(tiny_models, no_file_writes):
