@@ -98,7 +98,8 @@ class FlowModeConfig:
     """Rollout mode (registry ``ROLLOUT_MODES``): flow_grpo, dance_grpo, fast (Flow-GRPO-Fast), mixgrpo,
     mixgrpo_flash, branch (BranchGRPO) or tempflow (TempFlow-GRPO). branch computes its own advantages (per-depth
     z-scores of the backed-up weighted-sum reward), so it refuses ``reward_aggregation: gdpo`` and
-    ``grpo.adv_batch_norm``, and ignores ``grpo.advantage``."""
+    ``grpo.adv_batch_norm``, and ignores ``grpo.advantage``; its rows (leaves) own different numbers of node
+    transitions, so it also refuses ``grpo.loss_aggregation: seq-mean-token-mean``."""
     train_fraction: float = ranged(0.9, low=0, high=1, low_open=True)
     """flow_grpo: fraction of the first steps that are trained. dance_grpo: fraction trained per sample."""
     window_size: int = ranged(4, low=1)
@@ -195,6 +196,10 @@ class FlowConfig(BaseConfig):
             for key in (k for k, on in refused.items() if on):
                 raise ConfigError(f"bad value for '{key}': mode branch computes its own advantages (per-depth "
                                   "z-scores of the backed-up weighted-sum reward)")
+            if self.grpo.loss_aggregation == "seq-mean-token-mean":
+                raise ConfigError("bad value 'seq-mean-token-mean' for 'grpo.loss_aggregation': with mode branch a "
+                                  "row (leaf) holds the transitions of every tree node it is the first leaf of, so a "
+                                  "per-row mean weighs a node by how many its leaf holds; use token-mean")
         build_mode(self)
 
 

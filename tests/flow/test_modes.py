@@ -118,6 +118,10 @@ def test_branch_plan_trains_owned_nodes_with_depth_pruning():
      "reward_aggregation"),  # the tree computes its own advantages
     (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4", "grpo.adv_batch_norm=true"],
      "grpo.adv_batch_norm"),
+    # a tree row (leaf) holds the transitions of every node it is the first leaf of, so rows hold different unit
+    # counts: a per-row mean would weigh a node's transition by how many its owner holds
+    (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4",
+      "grpo.loss_aggregation=seq-mean-token-mean"], "grpo.loss_aggregation"),
     # a kernel without noise has no log-prob to train; CPS's sin(a*pi/2) turns negative past a = 2 (NaN log-probs)
     (["sampling.sde=flow_grpo", "sampling.noise_level=0"], "sampling.noise_level"),
     (["sampling.sde=cps", "sampling.noise_level=0"], "sampling.noise_level"),
