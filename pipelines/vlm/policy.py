@@ -45,7 +45,7 @@ from mmgrpo.pipelines.vlm.vllm_backend import (
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
 from mmgrpo.pipelines.vlm.whole_weights import whole_weights
 from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, merged_counters
-from mmgrpo.rewards import AccuracyReward, RewardBatch, RewardZoo
+from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards.consistency_bonus import LIKELIHOOD_KEY
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
 from mmgrpo.rewards.text_rules import PROBLEM_TYPES
@@ -161,7 +161,8 @@ class VLMPolicy(Policy):
     def __init__(self, cfg: VLMConfig):
         check_config(cfg)
         self.cfg = cfg
-        spec = tgrpo.bonus_spec(cfg)
+        self.accuracy = tgrpo.accuracy_reward(cfg)
+        """T-GRPO's scorer of the shuffled-frame answers; None when T-GRPO is off."""
         self.train_items, self.held_items = self._read_datasets()  # bad data fails before any weights load
         keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
         self.vlm = VLMModel(cfg.model, PartialState().device, keep_reference=keep_reference)
@@ -183,7 +184,6 @@ class VLMPolicy(Policy):
             if cfg.generation.backend == "vllm" else None
         self.cache = MediaCache()
         self.prompts: PromptCache[Prepared] = PromptCache(int(cfg.data.prompt_cache_mb * 2**20), prepared_tensors)
-        self.accuracy = None if spec is None else AccuracyReward(**spec.args.get("accuracy_args", {}))
         self._bad: dict[str, str] = {}
         """Source of every item found bad -> the counter it is reported under."""
         self._zoo: RewardZoo | None = None

@@ -44,6 +44,19 @@ def bonus_spec(cfg: VLMConfig) -> Any:
     return spec
 
 
+def accuracy_reward(cfg: VLMConfig) -> AccuracyReward | None:
+    """The ``accuracy`` reward that scores the shuffled-frame answers, built from the ``temporal_bonus`` reward's
+    ``accuracy_args`` as that reward builds its own; None when T-GRPO is off. A value the accuracy refuses is a
+    ConfigError naming the reward (the policy builds it before the reward zoo would)."""
+    spec = bonus_spec(cfg)
+    if spec is None:
+        return None
+    try:
+        return AccuracyReward(**(spec.args.get("accuracy_args") or {}))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"bad value in 'rewards.{cfg.rewards.index(spec)}' ({spec.name}): {err}") from err
+
+
 def shuffled_accuracy(vlm: VLMModel, prompt: str, images: list[torch.Tensor], videos: list[torch.Tensor],
                       fps: list[float], meta: dict[str, Any], count: int, cfg: VLMConfig, accuracy: AccuracyReward,
                       generator: torch.Generator | None, frame_generator: torch.Generator,

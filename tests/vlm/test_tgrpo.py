@@ -205,6 +205,22 @@ def test_tgrpo_and_its_reward_must_agree(tmp_path):
         tgrpo.bonus_spec(video_config(tmp_path, "tgrpo.mu=1.0"))
 
 
+@pytest.mark.parametrize("args, message", [
+    ("{unknown_type: skip}", r"^bad value in 'rewards.2' \(temporal_bonus\): accuracy: unknown_type must be"),
+    ("{default_type: essay}", r"^bad value in 'rewards.2' \(temporal_bonus\): accuracy: unknown default_type"),
+])
+def test_accuracy_args_the_accuracy_refuses_are_a_config_error_before_the_model_loads(tmp_path, args, message):
+    """The shuffled answers' scorer is built with the policy, before the reward zoo: a value it refuses is the
+    zoo's one-line error, not a traceback, and it comes before the model loads."""
+    with pytest.raises(ConfigError, match=message):
+        VLMPolicy(video_config(tmp_path, f"rewards.2.args.accuracy_args={args}"))
+
+
+def test_null_accuracy_args_are_no_args_as_the_reward_reads_them(tmp_path):
+    assert VLMPolicy(video_config(tmp_path, "rewards.2.args.accuracy_args=null")).accuracy is not None
+    assert tgrpo.accuracy_reward(video_config(tmp_path, "tgrpo.enabled=false", "rewards=[{name: accuracy}]")) is None
+
+
 def test_tgrpo_decoded_in_step_refuses_data_that_mixes_video_prompts_with_others():
     """Sharded weights decoded in step (ZeRO-3, or FSDP2 without gathering) need every process to sample as often;
     T-GRPO's shuffled-frame rollouts run once per video prompt, so on mixed data the processes' weight gathers
