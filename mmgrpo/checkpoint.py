@@ -148,22 +148,31 @@ def temporary_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f".tmp-step-{step}"
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def finalize(tmp: Path, state: dict[str, Any]) -> Path:
-    """Write the trainer state last, then rename the folder into place (atomic on one filesystem)."""
+    """Put everything in ``tmp`` on disk, write the trainer state last, then rename the folder into place (atomic
+    on one filesystem): after a crash, a folder with its final name holds every file whole."""
+    for path in sorted(tmp.rglob("*"), reverse=True):  # files before the folders that list them
+        _fsync(path)
     with open(tmp / STATE_FILE, "w") as f:
         f.write(json.dumps(state, indent=2))
         f.flush()
-        os.fsync(f.fileno())  # the state is on disk before the rename makes the checkpoint visible
+        os.fsync(f.fileno())
+    _fsync(tmp)
     final = tmp.parent / tmp.name.removeprefix(".tmp-")
     replaced = tmp.parent / f".old-{final.name}"
     if final.exists():  # the same step saved again: set the old one aside, delete it once the new one is in place
         final.rename(replaced)
     tmp.rename(final)
-    directory = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # and so is the rename
-    finally:
-        os.close(directory)
+    _fsync(final.parent)  # and so is the rename
     shutil.rmtree(replaced, ignore_errors=True)
     return final
 

@@ -82,3 +82,25 @@ def test_a_pipeline_change_is_reported_before_the_keys_it_changes():
     error = checkpoint.fixed_change(old, new, Path("ckpt"))
     assert str(error).startswith("bad value for 'pipeline': 'vlm', but checkpoint ckpt was made with 'flow'")
     assert checkpoint.fixed_change(old, new, Path("ckpt"), keys=("seed",)) is None
+
+
+def test_finalize_puts_every_file_on_disk_before_the_rename(tmp_path, monkeypatch):
+    """Only trainer_state.json was fsynced: after a power loss the renamed step-N could hold the state file but
+    weights that never left the page cache (empty files), and resume=latest picked it as complete."""
+    import os
+
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")).resolve())
+        real_fsync(fd)
+
+    tmp = checkpoint.temporary_dir(tmp_path, 3)
+    (tmp / "policy").mkdir(parents=True)
+    (tmp / "policy" / "model.safetensors").write_bytes(b"weights")
+    (tmp / "optimizer.bin").write_bytes(b"moments")
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    final = checkpoint.finalize(tmp, {"step": 3})
+    moved = [final / "policy" / "model.safetensors", final / "optimizer.bin", final / "policy", final]
+    written = {tmp.resolve() / p.relative_to(final) for p in moved}  # fsynced under the temporary name
+    assert written <= set(synced), written - set(synced)
