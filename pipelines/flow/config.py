@@ -141,7 +141,8 @@ class FlowModeConfig:
     timestep_weighting: str = "uniform"
     """Per-step loss weights for every mode: uniform, or noise_aware (TempFlow-GRPO): a trained step's
     transition std std_t*sqrt(|dt|) over the mean of it over the schedule's trainable steps, so a step's weight
-    depends on the step alone (high-noise steps > 1), whatever else is in the batch."""
+    depends on the step alone, whatever else is in the batch: above 1 on the early steps with sde flow_grpo or cps,
+    but on the late ones of a shifted schedule with sde dance (its std eta*sqrt(|dt|) grows with the step size)."""
 
 
 @dataclass

@@ -314,7 +314,9 @@ def noise_aware_weights(step_std: Tensor, schedule_std: Tensor) -> Tensor:
     step_std: (S,) transition std ``std_t * sqrt(|dt|)`` (latent units) of the steps to weight, finite and
     non-negative. schedule_std: (T,) the same quantity for every trainable step of the schedule, not all 0: a
     constant of the schedule, so a step's weight depends on the step alone, not on the other steps of its batch,
-    rollout or process. Weights average 1 over the schedule's steps; high-noise (early) steps get weights above 1.
+    rollout or process. Weights average 1 over the schedule's steps; the steps with the most transition noise get
+    weights above 1: the early ones under the flow_grpo and cps kernels, but the late, long ones of a shifted
+    schedule under dance, whose std ``eta * sqrt(|dt|)`` grows with the step size.
     Returns (S,) in float32 or the inputs' floating dtype.
     """
     for name, value in (("step_std", step_std), ("schedule_std", schedule_std)):

@@ -259,6 +259,22 @@ def test_noise_aware_weights_favour_high_noise_steps():
         noise_aware_weights(schedule, torch.zeros(3))
 
 
+def test_noise_aware_weights_rise_toward_the_end_under_dance_on_a_shifted_schedule():
+    """The kernels' transition stds on SD3's shift-3 schedule: flow_grpo and cps weigh the early steps most, dance
+    (std eta * sqrt(|dt|), and the shift makes the early steps short) the late ones, as the docstrings say."""
+    from mmgrpo.pipelines.flow import kernels
+
+    t = torch.linspace(1, 0, 11)
+    sigmas = 3 * t / (1 + 2 * t)
+    zeros = torch.zeros(10, 1)
+    steps = {"flow_grpo": lambda *a, **k: kernels.flow_grpo_sde_step(*a, sigma_max_substitute=float(sigmas[1]), **k),
+             "cps": kernels.cps_step, "dance": kernels.dance_grpo_sde_step}
+    weights = {name: noise_aware_weights(std, std) for name, step in steps.items()
+               for std in [step(zeros, zeros, sigmas[:10], sigmas[1:], noise=zeros).std]}
+    assert weights["flow_grpo"][0] > 1 > weights["flow_grpo"][-1] and weights["cps"][0] > 1 > weights["cps"][-1]
+    assert weights["dance"][0] < 1 < weights["dance"][-1] and bool((weights["dance"].diff() > 0).all())
+
+
 def test_noise_aware_weight_of_a_step_does_not_depend_on_the_other_steps_weighted():
     """The normaliser is the schedule's, not the batch's: a lone step (one TempFlow group) keeps its weight."""
     schedule = t([4.0, 3.0, 2.0, 1.0])
