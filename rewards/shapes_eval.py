@@ -119,8 +119,9 @@ def detect_objects(images: torch.Tensor) -> tuple[list[list[dict]], torch.Tensor
 
     Returns, per image, a list of objects (``colour``, ``shape`` (None: unknown), ``size``, ``x``, ``y`` (box centre),
     all in fractions of the image width, ``area`` in pixels, ``border``: touches the border), largest first; and a
-    (B,) tensor of stray-pixel fractions."""
-    images = as_rgb_images(images)
+    (B,) tensor of stray-pixel fractions (on the CPU: the components are found with scipy, whatever the images'
+    device)."""
+    images = as_rgb_images(images).detach().cpu()
     b, _, h, w = images.shape
     label, background = _pixel_labels(images)
     masks = label.numpy()[:, None] == np.arange(len(COLOURS)).reshape(1, -1, 1, 1)
