@@ -58,7 +58,8 @@ class MetricsLog:
         if tensorboard and importlib.util.find_spec("tensorboard") is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+            # a resume drops the event files' points after its checkpoint, which the killed run had logged
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=None if resume_step is None else resume_step + 1)
         self.wandb = None
         if wandb:
             if importlib.util.find_spec("wandb") is None:

@@ -33,6 +33,26 @@ def test_tensorboard_gets_every_scalar_of_a_run(tmp_path):
         assert [v for _, v in logged] == pytest.approx([r[key] for r in rows], rel=1e-6, abs=1e-12)
 
 
+def test_a_resume_drops_the_tensorboard_points_after_its_checkpoint(tmp_path):
+    """A run killed at step 4 and resumed from its checkpoint at step 2 logs steps 3 and 4 again; their first
+    values stayed in the event files, so tensorboard drew both runs' points after step 2."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (the dev extra installs it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLog(tmp_path, {}, tensorboard=True, wandb=False, wandb_project="p", resume_step=None)
+    for step in range(1, 5):
+        first.log({"step": step, "loss": float(step)})
+    first.close()
+    resumed = MetricsLog(tmp_path, {}, tensorboard=True, wandb=False, wandb_project="p", resume_step=2)
+    for step in (3, 4):
+        resumed.log({"step": step, "loss": -float(step)})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, -3.0), (4, -4.0)]
+    assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 2.0, -3.0, -4.0]
+
+
 def test_a_resume_that_cannot_rewrite_metrics_leaves_them_whole(tmp_path):
     """Resuming at step 80 rewrites metrics.jsonl to its first 80 rows. When that write fails (here a 4 KiB file
     size limit, as a full disk would), the 100 rows are still there; a working resume keeps the first 80."""
