@@ -30,7 +30,14 @@ from mmgrpo.errors import RunError
 from mmgrpo.grpo import kl_estimate
 from mmgrpo.pipelines.vlm import care, tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
-from mmgrpo.pipelines.vlm.data import VLMSample, read_samples, read_task_split, render_prompt, reward_meta
+from mmgrpo.pipelines.vlm.data import (
+    VLMSample,
+    chat_content,
+    read_samples,
+    read_task_split,
+    render_prompt,
+    reward_meta,
+)
 from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
 from mmgrpo.pipelines.vlm.logprobs import BLOCK_MASK_ATTENTION, token_logprobs_and_entropy
 from mmgrpo.pipelines.vlm.model import VLMModel
@@ -108,6 +115,15 @@ def item_source(item: dict) -> str:
 def media_type(sample: VLMSample) -> str:
     """``video`` (has a video), ``image`` (images only) or ``text`` (no media)."""
     return "video" if sample.videos else "image" if sample.images else "text"
+
+
+def check_free_prompt(prompt: str) -> None:
+    """BadItem (one line) when a free prompt (``mmgrpo sample --prompt``), which has no images or videos, holds an
+    ``<image>`` or ``<video>`` marker that no medium can fill (:func:`chat_content`)."""
+    try:
+        chat_content(prompt, 0, 0)
+    except ValueError as err:
+        raise BadItem(f"--prompt {prompt!r}: {err}; a free prompt has no images or videos") from err
 
 
 def check_tgrpo_in_step(samples: list[VLMSample]) -> None:
@@ -515,6 +531,9 @@ class VLMPolicy(Policy):
         Sampling draws from a generator seeded by ``seed``, never from the global RNG: evaluating during training
         leaves the training rollouts as they would have been, and every evaluation of a policy samples the same.
         Always through transformers, also with ``generation.backend: vllm`` (only training rollouts use vLLM)."""
+        for item in items:
+            if item.get("sample") is None:
+                check_free_prompt(item["prompt"])
         self.cache.clear()
         counters: dict[str, float] = defaultdict(float)
         generator = torch.Generator(device=self.vlm.device).manual_seed(self.cfg.seed)

@@ -362,6 +362,16 @@ def test_generate_and_save_samples(lora_policy, tmp_path):
     assert "**Rewards**: format 0.000, accuracy" in text and held[0]["prompt"] in text
 
 
+def test_a_free_prompt_with_a_media_marker_is_a_one_line_error_before_any_sampling(lora_policy, monkeypatch):
+    """``mmgrpo sample --prompt`` texts carry no images or videos: an ``<image>`` marker in one cannot be placed
+    (it was a ValueError traceback from the processor call, after the items before it had been sampled)."""
+    _, held = lora_policy.datasets()
+    monkeypatch.setattr(lora_policy, "_try_prepare", lambda *a: pytest.fail("sampled before the check"))
+    with pytest.raises(BadItem, match=r"^--prompt 'What is in <image>\?': .*1 <image> .* markers.*no images") as err:
+        lora_policy.generate(held[:1] + [{"prompt": "What is in <image>?"}])
+    assert "\n" not in str(err.value)
+
+
 def test_generate_leaves_the_global_rng_alone(lora_policy):
     """Evaluation inside a run must not move the RNG the training rollouts draw from; sampled evaluations of one
     policy repeat exactly."""
