@@ -178,7 +178,8 @@ def _parse_record(record: Any, source: str, root: Path) -> VLMSample:
 
 
 def read_samples(path: str | os.PathLike, root: str | os.PathLike) -> list[VLMSample]:
-    """Every sample of a Video-R1 / EasyR1 file (JSON list or JSONL), media paths resolved against ``root``.
+    """Every sample of a Video-R1 / EasyR1 file (JSON list or JSONL), media paths resolved against ``root`` (both
+    paths may start with ``~``, the home folder).
 
     Raises ConfigError, naming ``file:line``, for a missing or empty file, malformed JSON, a record that is not an
     object, a missing or blank required field, an unknown problem type (the message lists the valid ones) or a bad
@@ -186,9 +187,9 @@ def read_samples(path: str | os.PathLike, root: str | os.PathLike) -> list[VLMSa
     naming ``data.root``, when the file references media and not one of them exists (a wrong root). Single missing
     files are left to ``data.on_bad_media`` when they are decoded.
     """
-    name, root = str(path), Path(root)
+    name, root = str(path), Path(root).expanduser()
     try:
-        text = Path(path).read_text(encoding="utf-8-sig")
+        text = Path(path).expanduser().read_text(encoding="utf-8-sig")
     except FileNotFoundError as err:
         raise ConfigError(f"data file not found: {name}{cwd_hint(name)}") from err
     except (OSError, UnicodeDecodeError) as err:

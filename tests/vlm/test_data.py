@@ -182,6 +182,15 @@ def test_missing_file_and_wrong_root(root: Path, tmp_path: Path):
     assert len(read_samples(path, root)) == 2  # one missing file is left to data.on_bad_media
 
 
+def test_data_file_and_root_expand_the_home_folder(root: Path, monkeypatch: pytest.MonkeyPatch):
+    """``data.train_file: ~/x.jsonl`` and ``data.root: ~/data`` mean the home folder, as ``model.path``,
+    ``data.task_cache`` and ``output_dir`` do (they were read as folders named '~' under the working directory)."""
+    write_jsonl(root / "d.jsonl", [video_r1()])
+    monkeypatch.setenv("HOME", str(root.parent))
+    samples = read_samples(f"~/{root.name}/d.jsonl", f"~/{root.name}")
+    assert samples[0].videos == [root / "v1.mp4"] and samples[0].source == f"~/{root.name}/d.jsonl:1"
+
+
 def test_render_prompt_video_r1_options():
     template = VLMDataConfig.prompt_template
     s = VLMSample("Which way does it move?", "multiple choice", ["A. left", "B. right"], "<answer>B</answer>")
