@@ -16,6 +16,7 @@ loaded once, batched greedy generation, tensors in) or any OpenAI-compatible cha
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 import json
 import math
@@ -197,7 +198,10 @@ def parse_artifacts(text: str) -> list[float] | None:
 # ---------------------------------------------------------------------------------------------------- backends
 @runtime_checkable
 class JudgeBackend(Protocol):
-    """What a judge rewards need from a model: answers to a batch of requests, in order, as text."""
+    """What a judge rewards need from a model: answers to a batch of requests, in order, as text.
+
+    A backend whose ``generate`` also takes ``video_metadata`` receives, for the requests' videos in order of
+    appearance, where each video's frames come from (:func:`judge_video_metadata`)."""
 
     def generate(self, requests: Sequence[JudgeContent]) -> list[str]:
         """One answer per request (see :data:`JudgeContent`)."""
@@ -207,8 +211,10 @@ class JudgeBackend(Protocol):
 class TransformersJudge:
     """A judge run locally with transformers: ``AutoModelForImageTextToText`` + ``AutoProcessor`` (Qwen2-VL,
     Qwen2.5-VL and other chat VLMs), loaded once. Requests are generated in batches (left padding, greedy). Images and
-    videos go to the processor as float tensors (no PIL image, no file). Vision special tokens are suppressed during
-    generation (a sampled image token breaks the next forward).
+    videos go to the processor as float tensors (no PIL image, no file), videos with their frames' metadata, from
+    which Qwen2.5-VL takes the frame rate it encodes and Qwen3-VL the timestamps it writes into the prompt (without
+    it the processor assumes 24 fps). Vision special tokens are suppressed during generation (a sampled image token
+    breaks the next forward).
 
     Args:
         model: hub id or local folder of the model.
@@ -243,20 +249,28 @@ class TransformersJudge:
         self.model.to(self.device)
         return self
 
+    def inputs(self, requests: Sequence[JudgeContent], video_metadata: Sequence[dict] | None = None) -> Any:
+        """The processor's batch (left-padded, on the model's device) for ``requests``; ``video_metadata``: one
+        dict per video of the requests, in order (:func:`judge_video_metadata`), or None."""
+        texts = [self.processor.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str)
+                                          else {"type": "image" if p.ndim == 3 else "video"} for p in content]}],
+            tokenize=False, add_generation_prompt=True) for content in requests]
+        images = [p.cpu() for c in requests for p in c if torch.is_tensor(p) and p.ndim == 3]
+        videos = [p.cpu() for c in requests for p in c if torch.is_tensor(p) and p.ndim == 4]
+        extra = {"video_metadata": list(video_metadata)} if videos and video_metadata is not None else {}
+        return self.processor(text=texts, images=images or None, videos=videos or None, padding=True,
+                              return_tensors="pt", do_rescale=False, **extra).to(self.device)
+
     @torch.no_grad()
-    def generate(self, requests: Sequence[JudgeContent]) -> list[str]:
+    def generate(self, requests: Sequence[JudgeContent], video_metadata: Sequence[dict] | None = None) -> list[str]:
         answers: list[str] = []
+        seen = 0  # videos of the earlier chunks
         for start in range(0, len(requests), self.batch_size):
             chunk = requests[start:start + self.batch_size]
-            texts = [self.processor.apply_chat_template(
-                [{"role": "user", "content": [{"type": "text", "text": p} if isinstance(p, str)
-                                              else {"type": "image" if p.ndim == 3 else "video"}
-                                              for p in content]}],
-                tokenize=False, add_generation_prompt=True) for content in chunk]
-            images = [p.cpu() for c in chunk for p in c if torch.is_tensor(p) and p.ndim == 3]
-            videos = [p.cpu() for c in chunk for p in c if torch.is_tensor(p) and p.ndim == 4]
-            inputs = self.processor(text=texts, images=images or None, videos=videos or None, padding=True,
-                                    return_tensors="pt", do_rescale=False).to(self.device)
+            count = sum(torch.is_tensor(p) and p.ndim == 4 for c in chunk for p in c)
+            inputs = self.inputs(chunk, None if video_metadata is None else video_metadata[seen:seen + count])
+            seen += count
             out = self.model.generate(**inputs, max_new_tokens=self.max_new_tokens, do_sample=False,
                                       suppress_tokens=self.suppress)
             answers += self.processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -337,15 +351,22 @@ def backend_class(name: str) -> type:
 
 
 # ---------------------------------------------------------------------------------------------------- rewards
-def judge_frames(video: torch.Tensor, input_fps: float, fps: float, max_frames: int) -> torch.Tensor:
-    """The frames of ``video`` (T, 3, H, W) a judge sees: resampled from ``input_fps`` to ``fps`` (evenly spaced),
-    at most ``max_frames``, an even count of at least 2 (Qwen2-VL encodes frames in pairs; a single frame is
-    repeated)."""
-    total = video.shape[0]
+def judge_frame_indices(total: int, input_fps: float, fps: float, max_frames: int) -> torch.Tensor:
+    """(F,) int64 indices of the frames a judge sees of a clip of ``total`` frames at ``input_fps``: resampled to
+    ``fps`` (evenly spaced), at most ``max_frames``, an even count of at least 2 (Qwen2-VL encodes frames in pairs;
+    a single frame is repeated)."""
     if total < 2:
-        return video.expand(2, *video.shape[1:])
+        return torch.zeros(2, dtype=torch.long)
     count = max(2, min(round(total / input_fps * fps), max_frames, total))
-    return video[sample_frame_indices(total, count - count % 2)]
+    return sample_frame_indices(total, count - count % 2)
+
+
+def judge_video_metadata(total: int, input_fps: float, indices: torch.Tensor) -> dict[str, Any]:
+    """Where a judge's frames come from, as transformers' ``VideoMetadata`` fields: frames ``indices`` (F,) of a
+    clip of ``total`` frames at ``input_fps`` (frames per second). The processor derives the frame rate the model
+    sees, ``F / total * input_fps``, and the frames' times, ``index / input_fps`` seconds, from it."""
+    return {"total_num_frames": int(total), "fps": float(input_fps), "frames_indices": indices.tolist(),
+            "duration": total / float(input_fps)}
 
 
 def empty_scores(keys: Sequence[str]) -> dict[str, torch.Tensor]:
@@ -376,6 +397,15 @@ class _JudgeReward(Reward):
         if fps <= 0 or max_frames < 2 or (input_fps is not None and input_fps <= 0):
             raise ValueError(f"{self.name}: needs fps > 0, input_fps > 0 and max_frames >= 2")
         self.fps, self.input_fps, self.max_frames = float(fps), input_fps, int(max_frames)
+        self._video_metadata: dict[int, dict[str, Any]] = {}  # id of a video's frames -> judge_video_metadata
+
+    def ask(self, requests: list[JudgeContent]) -> list[str]:
+        """The backend's answers to ``requests``, made of :meth:`subjects`' items; a backend whose ``generate`` takes
+        ``video_metadata`` gets the metadata of the requests' videos, in order."""
+        if self._video_metadata and "video_metadata" in inspect.signature(self.backend.generate).parameters:
+            metadata = [self._video_metadata[id(p)] for c in requests for p in c if torch.is_tensor(p) and p.ndim == 4]
+            return self.backend.generate(requests, video_metadata=metadata)
+        return self.backend.generate(requests)
 
     def to(self, device: str | torch.device) -> _JudgeReward:
         """Move a local judge model; a remote endpoint has nothing to move."""
@@ -384,7 +414,9 @@ class _JudgeReward(Reward):
         return self
 
     def subjects(self, batch: RewardBatch) -> tuple[str, list[Any]]:
-        """What is judged: ``("image", images)``, ``("video", frames)`` or ``("response", completions)``."""
+        """What is judged: ``("image", images)``, ``("video", frames)`` or ``("response", completions)``. The
+        frames' :func:`judge_video_metadata` are kept for :meth:`ask`."""
+        self._video_metadata = {}
         if batch.images is not None:
             return "image", list(as_rgb_images(batch.images, self.name).cpu())
         if batch.videos is not None:
@@ -394,7 +426,9 @@ class _JudgeReward(Reward):
                 input_fps = meta.get("fps", self.input_fps)
                 if input_fps is None:
                     raise ValueError(f"{self.name}: the videos' frame rate is unknown; set input_fps or meta['fps']")
-                frames.append(judge_frames(video, float(input_fps), self.fps, self.max_frames))
+                indices = judge_frame_indices(len(video), float(input_fps), self.fps, self.max_frames)
+                frames.append(video[indices])
+                self._video_metadata[id(frames[-1])] = judge_video_metadata(len(video), float(input_fps), indices)
             return "video", frames
         if batch.completions is not None:
             return "response", list(batch.completions)
@@ -497,7 +531,7 @@ class VLMJudge(_JudgeReward):
         for prompt, item in zip(batch.prompts, items):
             text = fill(self.template, prompt=prompt, subject=subject, lo=f"{self.lo:g}", hi=f"{self.hi:g}")
             requests.append([f"Response:\n{item}\n\n{text}"] if subject == "response" else [item, text])
-        rows = [self.read(answer) for answer in self.backend.generate(requests)]
+        rows = [self.read(answer) for answer in self.ask(requests)]
         return {key: torch.tensor([row[key] for row in rows], dtype=torch.float64) for key in keys}
 
 
@@ -566,8 +600,7 @@ class VLMPairwise(_JudgeReward):
             rows = torch.nonzero(group == gid).flatten().tolist()
             pairs += [(i, j) for a, i in enumerate(rows) for j in rows[a + 1:]]
         orders = pairs + [(j, i) for i, j in pairs] if self.both_orders else pairs
-        answers = self.backend.generate([self._request(subject, batch.prompts[i], items[i], items[j])
-                                         for i, j in orders])
+        answers = self.ask([self._request(subject, batch.prompts[i], items[i], items[j]) for i, j in orders])
         verdicts = dict(zip(orders, (parse_choice(a, self.patterns) for a in answers)))
 
         def compare(i: int, j: int) -> float | None:

@@ -23,7 +23,8 @@ from mmgrpo.rewards.vlm_judge import (
     TransformersJudge,
     VLMJudge,
     VLMPairwise,
-    judge_frames,
+    judge_frame_indices,
+    judge_video_metadata,
     parse_artifacts,
     parse_choice,
     parse_score,
@@ -161,12 +162,56 @@ def test_artifacts_preset():
 
 
 def test_judge_frames_resample_to_the_judge_fps():
-    video = torch.arange(16).float().view(16, 1, 1, 1).expand(16, 3, 2, 2)
-    assert judge_frames(video, 8.0, 2.0, 16)[:, 0, 0, 0].tolist() == [0.0, 5.0, 10.0, 15.0]  # 2 s -> 4 frames
-    assert judge_frames(video, 16.0, 2.0, 16).shape[0] == 2  # 1 s -> 2 frames
-    assert judge_frames(video, 2.0, 2.0, 6).shape[0] == 6  # capped
-    assert judge_frames(video[:5], 2.0, 2.0, 16).shape[0] == 4  # even count
-    assert judge_frames(video[:1], 30.0, 2.0, 16).shape[0] == 2  # one frame is repeated
+    assert judge_frame_indices(16, 8.0, 2.0, 16).tolist() == [0, 5, 10, 15]  # 2 s -> 4 frames
+    assert len(judge_frame_indices(16, 16.0, 2.0, 16)) == 2  # 1 s -> 2 frames
+    assert len(judge_frame_indices(16, 2.0, 2.0, 6)) == 6  # capped
+    assert len(judge_frame_indices(5, 2.0, 2.0, 16)) == 4  # even count
+    assert judge_frame_indices(1, 30.0, 2.0, 16).tolist() == [0, 0]  # one frame is repeated
+
+
+class RecordingBackend:
+    """A judge backend that answers a fixed rating and keeps the video metadata it was given."""
+
+    def __init__(self):
+        self.metadata = None
+
+    def generate(self, requests, video_metadata=None):
+        self.metadata = video_metadata
+        return ["VQ: 3\nMQ: 3\nTA: 3\nBetter: A"] * len(requests)
+
+
+class PlainBackend:
+    """A judge backend written against the plain protocol, ``generate(requests)``."""
+
+    def generate(self, requests):
+        return ["VQ: 3\nMQ: 3\nTA: 3\nBetter: A"] * len(requests)
+
+
+def test_backends_that_take_it_get_each_videos_frame_metadata_in_order():
+    videos = RewardBatch(prompts=["a", "b"], group=torch.zeros(2, dtype=torch.long), videos=torch.rand(2, 16, 3, 4, 4),
+                         meta=[{"fps": 8}, {"fps": 16}])
+    backend = RecordingBackend()
+    VLMJudge(preset="video_align", backend=backend)(videos)
+    assert backend.metadata == [
+        {"total_num_frames": 16, "fps": 8.0, "frames_indices": [0, 5, 10, 15], "duration": 2.0},
+        {"total_num_frames": 16, "fps": 16.0, "frames_indices": [0, 15], "duration": 1.0}]
+    VLMPairwise(backend=backend, both_orders=True)(videos)  # two videos per request: first, then second
+    assert [m["fps"] for m in backend.metadata] == [8.0, 16.0, 16.0, 8.0]
+    assert VLMJudge(preset="video_align", backend=PlainBackend())(videos)["VQ"].tolist() == [0.5, 0.5]
+
+
+def test_local_backend_tells_qwen2_5_vl_the_judges_frame_rate(tmp_path):
+    """Qwen2.5-VL encodes time from the frame rate in the processor's video metadata (24 fps without it)."""
+    from mmgrpo.pipelines.vlm.tiny import build_tiny_vlm
+
+    judge = TransformersJudge(str(build_tiny_vlm("qwen2_5_vl", tmp_path)), dtype="float32", max_new_tokens=2)
+    indices = judge_frame_indices(16, 8.0, 2.0, 16)  # 4 frames of a 2 s clip: 2 fps
+    request = [[torch.rand(16, 3, 28, 28)[indices], "rate it"]]
+    inputs = judge.inputs(request, [judge_video_metadata(16, 8.0, indices)])
+    temporal_patch = judge.processor.video_processor.temporal_patch_size
+    assert inputs["second_per_grid_ts"].tolist() == pytest.approx([temporal_patch / 2.0])
+    assert judge.inputs(request)["second_per_grid_ts"].tolist() == pytest.approx([temporal_patch / 24.0])
+    assert len(judge.generate(request, [judge_video_metadata(16, 8.0, indices)])) == 1
 
 
 def test_video_align_preset():
