@@ -22,6 +22,12 @@ class EMA:
                        for n, p in self.params.items()}
 
     @torch.no_grad()
+    def restart(self) -> None:
+        """Set every shadow to its parameter's current value: the average starts from here."""
+        for name, p in self.params.items():
+            self.shadow[name].copy_(p.detach())
+
+    @torch.no_grad()
     def update(self) -> None:
         for name, p in self.params.items():
             shadow = self.shadow[name]

@@ -187,9 +187,16 @@ class Trainer:
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
+        """Load what :meth:`_save_hook` saved. An EMA that the checkpoint's run did not keep (``train.ema_decay``
+        turned on at this resume) starts from the restored weights."""
         self.policy.load(Path(input_dir) / "policy")
-        if self.ema is not None:
-            self.ema.load_state_dict(load_file(str(Path(input_dir) / "ema.safetensors")))
+        ema_file = Path(input_dir) / "ema.safetensors"
+        if self.ema is not None and ema_file.is_file():
+            self.ema.load_state_dict(load_file(str(ema_file)))
+        elif self.ema is not None:
+            self.ema.restart()
+            self.accelerator.print(f"{input_dir} holds no EMA weights: the EMA (train.ema_decay) starts from its "
+                                   "weights")
         if self.policy.training_state():
             self.policy.load_training_state(load_file(str(Path(input_dir) / POLICY_STATE_FILE)))
         models.clear()

@@ -181,6 +181,18 @@ def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
     torch.testing.assert_close(loaded.model.weight.detach(), ema["weight"])
 
 
+def test_an_ema_turned_on_at_a_resume_starts_from_the_restored_weights(tmp_path):
+    """train.ema_decay may change on resume, but a checkpoint of a run without EMA has no ema.safetensors: the
+    resume failed with 'checkpoint cannot be read', pointing at a sound checkpoint."""
+    Trainer(toy(tmp_path, "train.max_steps=2", "optim.lr=0.1")).train()
+    restored = load_file(str(tmp_path / "checkpoints" / "step-2" / "policy" / "model.safetensors"))
+    trainer = Trainer(toy(tmp_path, "train.max_steps=3", "optim.lr=0.1", "resume=latest", "train.ema_decay=0.5"))
+    trainer.train()
+    raw = trainer.policy.model.weight.detach().clone()
+    with trainer.ema.swapped_in():  # one update from the restored weights: halfway between them and the new ones
+        torch.testing.assert_close(trainer.policy.model.weight.detach(), (restored["weight"] + raw) / 2)
+
+
 def test_a_replanned_schedule_ends_there_and_survives_a_resume(tmp_path):
     """end_schedule_at(6) at step 3 of a 12-step cosine: the lr follows the squeezed schedule and reaches 0 at step
     6; a run stopped at step 4 and resumed from its checkpoint (past step 3, so only the checkpoint knows of the
