@@ -61,6 +61,10 @@ def check_video_config(cfg: VLMVideoConfig) -> None:
     if cfg.max_frames < cfg.frame_multiple:
         raise ConfigError(f"bad value for 'video.max_frames': must be >= video.frame_multiple "
                           f"({cfg.frame_multiple}), got {cfg.max_frames}")
+    m = cfg.frame_multiple
+    if -(-cfg.min_frames // m) * m > cfg.max_frames:
+        raise ConfigError(f"bad value for 'video.min_frames': a multiple of video.frame_multiple ({m}) must lie "
+                          f"between min_frames and max_frames, got {cfg.min_frames} and {cfg.max_frames}")
     if cfg.image_min_pixels is not None and cfg.image_min_pixels < 1:
         raise ConfigError(f"bad value for 'video.image_min_pixels': must be >= 1, got {cfg.image_min_pixels}")
     image_floor = "min_pixels" if cfg.image_min_pixels is None else "image_min_pixels"

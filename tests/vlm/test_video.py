@@ -181,6 +181,9 @@ def test_bad_video_config():
         decode_video(CLIPS[0], cfg(backend="ffmpeg"))
     with pytest.raises(ConfigError, match="'video.min_frames'"):
         decode_video(CLIPS[0], cfg(min_frames=20))
+    # 3..3 frames in pairs: min rounds up to 4, max down to 2, so no count satisfies both bounds
+    with pytest.raises(ConfigError, match=r"'video.min_frames'.*multiple of video.frame_multiple \(2\)"):
+        decode_video(CLIPS[0], cfg(min_frames=3, max_frames=3))
     with pytest.raises(ConfigError, match="'video.max_pixels'"):
         load_image(TINY / "images/count_00.png", cfg(max_pixels=1, size_factor=32))
     with pytest.raises(ConfigError, match="'video.image_min_pixels': must be >= 1"):
