@@ -89,19 +89,32 @@ def tile_videos(videos: torch.Tensor) -> np.ndarray:
     return frames
 
 
-def write_video(frames: np.ndarray, path: Path, fps: int = 8) -> Path:
-    """(T, H, W, 3) uint8 -> ``path`` as mp4 (PyAV), or ``path`` with a .gif suffix when PyAV is
-    unavailable."""
+def can_encode(codec: str) -> bool:
+    """Whether imageio and PyAV are installed and PyAV's FFmpeg has an encoder named ``codec``."""
     try:
+        import av
+        import imageio.v3  # noqa: F401  (write_video writes through it)
+    except ImportError:
+        return False
+    try:
+        av.codec.Codec(codec, "w")
+    except ValueError:  # av's UnknownCodecError
+        return False
+    return True
+
+
+def write_video(frames: np.ndarray, path: Path, fps: int = 8, codec: str = "libx264") -> Path:
+    """(T, H, W, 3) uint8 -> ``path`` as mp4 (PyAV, ``codec``), or ``path`` with a .gif suffix when PyAV, imageio
+    or the encoder is missing."""
+    if can_encode(codec):
         import imageio.v3 as iio
 
-        iio.imwrite(path, frames, plugin="pyav", fps=fps, codec="libx264")
+        iio.imwrite(path, frames, plugin="pyav", fps=fps, codec=codec)
         return path
-    except ImportError:
-        gif = path.with_suffix(".gif")
-        first, *rest = [Image.fromarray(f) for f in frames]
-        first.save(gif, save_all=True, append_images=rest, duration=round(1000 / fps), loop=0)
-        return gif
+    gif = path.with_suffix(".gif")
+    first, *rest = [Image.fromarray(f) for f in frames]
+    first.save(gif, save_all=True, append_images=rest, duration=round(1000 / fps), loop=0)
+    return gif
 
 
 def save_media(directory: Path, tag: str, prompts: list[str], images: torch.Tensor | None = None,

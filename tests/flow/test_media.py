@@ -68,6 +68,17 @@ def test_write_video_falls_back_to_gif_without_imageio(tmp_path, monkeypatch):
         assert gif.n_frames == 4
 
 
+def test_write_video_falls_back_to_gif_when_pyav_lacks_the_encoder(tmp_path):
+    """A PyAV build without the codec (libx264 is missing from some) writes a GIF instead of failing."""
+    assert media.can_encode("libx264") and not media.can_encode("no-such-encoder")
+    frames = np.zeros((3, 8, 8, 3), dtype=np.uint8)
+    frames[:, :, :, 0] = np.arange(3)[:, None, None] * 80
+    path = media.write_video(frames, tmp_path / "v.mp4", fps=4, codec="no-such-encoder")
+    assert path == tmp_path / "v.gif" and not (tmp_path / "v.mp4").exists()
+    with Image.open(path) as gif:
+        assert gif.n_frames == 3
+
+
 def test_save_media(tmp_path):
     files = media.save_media(tmp_path / "s", "step-1", ["x", "y"], images=torch.rand(2, 3, 8, 8))
     assert [f.name for f in files] == ["step-1.png"]
