@@ -801,8 +801,8 @@ class Trainer:
         local = {key: (v.double().nansum().item(), int((~v.isnan()).sum()), v.numel()) for key, v in columns.items()}
         parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
         out = {}
-        for key in columns:  # every process scores with the same rewards and sub-scores
-            total, valid, count = (sum(part[key][i] for part in parts) for i in range(3))
+        for key in dict.fromkeys(k for part in parts for k in part):  # a sub-score one process lacks: the others'
+            total, valid, count = (sum(part[key][i] for part in parts if key in part) for i in range(3))
             out[key if key == "reward/mean" else f"{key}/mean"] = total / valid if valid else math.nan
             if key != "reward/mean" and valid < count:
                 out[f"{key}/nan_frac"] = 1 - valid / count
