@@ -619,8 +619,7 @@ class FlowAdapter:
             if self.is_lora:
                 self._load_lora(lora_folder(Path(directory), name) / LORA_WEIGHT_NAME, part)
             else:
-                saved = type(part).from_pretrained(Path(directory) / name, dtype=torch.float32)
-                part.load_state_dict(saved.state_dict())
+                load_full(Path(directory) / name, part)
 
     def _load_lora(self, file: Path, part: nn.Module) -> None:
         from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
@@ -659,6 +658,35 @@ def lora_folder(directory: Path, part: str) -> Path:
     ``transformer_2``), out of the way of diffusers' guess of the file when only that part is trained, which would
     load it into ``transformer``."""
     return directory if part == "transformer" else directory / part
+
+
+def load_full(folder: Path, part: nn.Module) -> None:
+    """Copy the weights of a ``save_pretrained`` folder of ``part`` (one safetensors file, or shards listed in an
+    index) into ``part``, in place, one shard at a time: host memory grows by a shard, not by a second model (a
+    12B transformer in fp32 is 48 GB). Missing, extra or differently shaped weights are one ValueError naming the
+    folder."""
+    from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import load_file
+
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / SAFETENSORS_WEIGHTS_NAME).is_file():
+        files = [SAFETENSORS_WEIGHTS_NAME]
+    else:
+        raise FileNotFoundError(f"no {SAFETENSORS_WEIGHTS_NAME} (or its index) in {folder}")
+    expected = {k: v.shape for k, v in part.state_dict().items()}
+    seen: set[str] = set()
+    for file in files:
+        shard = load_file(folder / file)
+        wrong = sorted(k for k, v in shard.items() if k not in expected or v.shape != expected[k])
+        if wrong:
+            raise ValueError(f"weights in {folder / file} do not fit this {type(part).__name__}: {wrong[:3]}")
+        part.load_state_dict(shard, strict=False)
+        seen |= set(shard)
+        del shard
+    if missing := sorted(set(expected) - seen):
+        raise ValueError(f"weights in {folder} miss {len(missing)} of this {type(part).__name__}'s: {missing[:3]}")
 
 
 def _save_full(folder: Path, part: nn.Module, state_dict: dict[str, Tensor] | None) -> None:

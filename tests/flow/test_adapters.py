@@ -454,3 +454,38 @@ def test_other_bad_inputs_name_their_keys(tmp_path, adapter_of, tiny_cache):
     if "qwen2_vl" in MODEL_ADAPTERS:
         with pytest.raises(ConfigError, match=r"'model.type'.*not a flow model adapter"):
             load_adapter(tiny_cfg("qwen2_vl"))
+
+
+def test_a_full_fine_tune_is_loaded_shard_by_shard_without_a_second_model(tmp_path):
+    """load_full copies a sharded save_pretrained folder into the transformer in place: host memory grows by about
+    a shard, not by a second model (from_pretrained builds one first: 48 GB for a 12B transformer in fp32)."""
+    from mmgrpo.pipelines.flow.bench import _reset_peak_rss, _status_mib
+
+    model = diffusers.SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=4,
+                                            attention_head_dim=64, num_attention_heads=8, joint_attention_dim=512,
+                                            caption_projection_dim=512, pooled_projection_dim=64, out_channels=4)
+    model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    model.save_pretrained(tmp_path / "transformer", max_shard_size="16MB")
+    assert (tmp_path / "transformer" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    before = _status_mib("VmRSS")
+    if before is None or not _reset_peak_rss():
+        pytest.skip("needs Linux /proc/self/status and clear_refs to measure the peak resident size")
+    adapters_module.load_full(tmp_path / "transformer", model)
+    growth = _status_mib("VmHWM") - before
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+    assert growth < 0.4 * model_mib, f"loading grew the process by {growth:.0f} MiB for a {model_mib:.0f} MiB model"
+
+    other = diffusers.SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, num_layers=1,
+                                            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                            caption_projection_dim=16, pooled_projection_dim=8, out_channels=4)
+    with pytest.raises(ValueError, match=r"weights in .*transformer.* do not fit this SD3Transformer2DModel"):
+        adapters_module.load_full(tmp_path / "transformer", other)
+    other.save_pretrained(tmp_path / "small")
+    with pytest.raises(ValueError, match=r"weights in .*small.* do not fit"):
+        adapters_module.load_full(tmp_path / "small", model)
+    with pytest.raises(FileNotFoundError, match="no diffusion_pytorch_model.safetensors"):
+        adapters_module.load_full(tmp_path / "nothing", model)
