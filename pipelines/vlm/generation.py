@@ -35,7 +35,8 @@ class Completions:
     - ``ids``: (G,L) int64, right-padded with the pad id; L is the longest completion.
     - ``mask``: (G,L) bool, the real tokens, including the EOS token when one was produced.
     - ``truncated``: (G,) bool, hit ``max_new_tokens`` without EOS.
-    - ``texts``: decoded, special tokens stripped.
+    - ``texts``: decoded, special tokens stripped, after the tag the prompt left open
+      (``VLMModel.completion_lead``, e.g. ``<think>\\n``; usually none): the completions as the model wrote them.
     - ``logprobs``: (G,L) fp32 log-probs of the sampled tokens under the model at :func:`scoring_temperature` (no
       suppression, top-k or top-p) from the incremental KV-cache path, 0 where masked. For diagnostics only: these
       differ slightly from a full forward, so the trainer takes the old log-probs from ``token_logprobs`` and logs
@@ -324,8 +325,8 @@ def decode(vlm: VLMModel, logits: torch.Tensor, steps: RowSteps | PackedSteps, c
     width = int(lengths.max())
     mask = torch.arange(width, device=device) < lengths[:, None]
     ids = tokens[:, :width]
-    texts = vlm.tokenizer.batch_decode([row[:n] for row, n in zip(ids.tolist(), lengths.tolist())],
-                                       skip_special_tokens=True)
+    texts = [vlm.completion_lead + text for text in vlm.tokenizer.batch_decode(
+        [row[:n] for row, n in zip(ids.tolist(), lengths.tolist())], skip_special_tokens=True)]
     return Completions(ids=ids, mask=mask, truncated=~finished, texts=texts,
                        logprobs=logps[:, :width].masked_fill(~mask, 0.0))
 

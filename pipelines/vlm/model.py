@@ -33,6 +33,7 @@ EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
 """Names of the vision tower / projector submodules (Qwen2-VL keeps its merger inside ``visual``)."""
 HUB_ID = re.compile(r"[\w-][\w.-]*(/[\w.-]+)?")
+OPENED_TAG = re.compile(r"<[A-Za-z][\w-]*>\s*\Z")
 _warned: set[str] = set()
 
 
@@ -102,6 +103,14 @@ def video_metadata(frames: int, fps: float) -> dict:
     of the clip (to within one native frame)."""
     return {"total_num_frames": frames, "fps": float(fps), "frames_indices": [i + 0.5 for i in range(frames)],
             "duration": frames / float(fps)}
+
+
+def opened_tag(chat: str) -> str:
+    """The opening tag, with the whitespace after it, that ends a rendered prompt ``chat`` (``"<think>\\n"`` when a
+    reasoning model's chat template opens the thinking block in its generation prompt, as Qwen3-VL Thinking's
+    does), else ``""``. The model then writes only the block's inside and its closing tag."""
+    found = OPENED_TAG.search(chat)
+    return found.group(0) if found else ""
 
 
 def pick_attention(name: str) -> str:
@@ -176,6 +185,9 @@ class VLMModel:
       training starts from the adapted model, which is also the reference.
     - ``vision_token_ids``: every vision special token id; generation never samples them.
     - ``eos_token_ids``: ``<|im_end|>`` and ``<|endoftext|>``; ``pad_token_id`` right-pads completions.
+    - ``completion_lead``: the tag the chat template's generation prompt leaves open (:func:`opened_tag`, e.g.
+      ``"<think>\\n"``), put before every completion text so the rewards see the completion as the model effectively
+      wrote it; ``""`` for most templates.
     """
 
     def __init__(self, cfg: VLMModelConfig, device: str | torch.device = "cpu", keep_reference: bool = False):
@@ -238,6 +250,9 @@ class VLMModel:
         self.pad_token_id: int = pad if pad is not None else self.eos_token_ids[-1]
         self.vocab_size: int = len(self.tokenizer)
         """Token ids at or past this are padding rows of the embedding; generation never samples them."""
+        turn = [{"role": "user", "content": [{"type": "text", "text": "?"}]}]
+        self.completion_lead: str = opened_tag(self.processor.apply_chat_template(turn, tokenize=False,
+                                                                                  add_generation_prompt=True))
 
     @property
     def is_lora(self) -> bool:

@@ -231,14 +231,15 @@ def sampling_kwargs(gen_cfg: VLMGenerationConfig, group_size: int, seed: int | N
 
 
 def to_completions(samples: Sequence[tuple], pad_token_id: int, eos_token_ids: Sequence[int], tokenizer: Any,
-                   device: torch.device | str = "cpu") -> Completions:
+                   device: torch.device | str = "cpu", lead: str = "") -> Completions:
     """One prompt's G samples -> :class:`Completions`. A sample is ``(token_ids, finish_reason)`` or ``(token_ids,
     finish_reason, logprobs)``, as vLLM returns them: ``token_ids`` include the EOS that ended a ``stop`` sample
     (vLLM appends the sampled token before its stop check), ``length`` means the token limit.
 
     ``ids`` are right-padded with ``pad_token_id``, ``mask`` covers the real tokens including the EOS,
-    ``truncated`` is ``length`` without a final EOS, ``texts`` are decoded with special tokens skipped, and
-    ``logprobs`` are the given ones, or NaN (not reported), on the real tokens and 0 where masked. A ``stop`` without a final EOS (a stop string, or a
+    ``truncated`` is ``length`` without a final EOS, ``texts`` are ``lead`` (``VLMModel.completion_lead``, the tag
+    the prompt left open) plus the tokens decoded with special tokens skipped, and ``logprobs`` are the given ones,
+    or NaN (not reported), on the real tokens and 0 where masked. A ``stop`` without a final EOS (a stop string, or a
     vLLM that drops the EOS) or any other finish reason raises ValueError rather than training on a guess."""
     eos = {int(t) for t in eos_token_ids}
     rows, truncated, logps = [], [], []
@@ -264,7 +265,7 @@ def to_completions(samples: Sequence[tuple], pad_token_id: int, eos_token_ids: S
         out_ids[i, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         mask[i, :len(ids)] = True
         logprobs[i, :len(ids)] = math.nan if values is None else torch.tensor([float(v) for v in values])
-    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    texts = [lead + text for text in tokenizer.batch_decode(rows, skip_special_tokens=True)]
     return Completions(ids=out_ids.to(device), mask=mask.to(device),
                        truncated=torch.tensor(truncated, dtype=torch.bool, device=device), texts=texts,
                        logprobs=logprobs.to(device))
@@ -426,7 +427,7 @@ class VLLMSampler:
             samples = sorted(output.outputs, key=lambda c: c.index)
             completions.append(to_completions(
                 [(c.token_ids, c.finish_reason, sampled_logprobs(c.token_ids, c.logprobs)) for c in samples],
-                vlm.pad_token_id, vlm.eos_token_ids, vlm.tokenizer, vlm.device))
+                vlm.pad_token_id, vlm.eos_token_ids, vlm.tokenizer, vlm.device, vlm.completion_lead))
         self._counters["vllm/prompt_mismatch"] = self._counters.get("vllm/prompt_mismatch", 0.0) + mismatch
         if mismatch and not self._warned:
             self._warned = True
