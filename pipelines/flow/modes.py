@@ -202,6 +202,15 @@ class RolloutMode:
         samples."""
         raise NotImplementedError
 
+    def max_units(self) -> int:
+        """The most trained steps one sample (one loss row) has at any iteration: a constant of the config, the
+        count Dr. GRPO's ``seq-mean-token-sum-norm`` divides by. No plan's row trains more, and some reaches it."""
+        raise NotImplementedError
+
+    def _trainable_count(self, steps: range | tuple[int, ...]) -> int:
+        """How many of ``steps`` can be trained (not the deterministic last cps step)."""
+        return sum(s < self.trainable_steps for s in steps)
+
     def _trainable(self, plan: schedules.StepPlan, num_samples: int) -> LinearPlan:
         """A shared plan without an untrainable last CPS step; an error when nothing is left to train."""
         kept = tuple(s for s in plan.train if s < self.trainable_steps)
@@ -225,6 +234,9 @@ class FlowGRPOMode(RolloutMode):
              generator: torch.Generator) -> LinearPlan:
         return self._trainable(self.step_plan, num_groups * group_size)
 
+    def max_units(self) -> int:
+        return self._trainable_count(self.step_plan.train)
+
 
 @ROLLOUT_MODES.register("dance_grpo")
 class DanceGRPOMode(RolloutMode):
@@ -243,6 +255,9 @@ class DanceGRPOMode(RolloutMode):
         return LinearPlan(torch.ones(n, self.num_steps, dtype=torch.bool), steps,
                           shared_noise=self.mode.shared_initial_noise)
 
+    def max_units(self) -> int:
+        return schedules.dance_grpo_count(self.trainable_steps, self.mode.train_fraction)
+
 
 @ROLLOUT_MODES.register("fast")
 class FastMode(RolloutMode):
@@ -260,6 +275,10 @@ class FastMode(RolloutMode):
         step_plan = schedules.fast_plan(self.num_steps, self.mode.window_size, self.mode.fast_within,
                                         iteration=iteration, seed=max(self.cfg.seed, 0))
         return self._trainable(step_plan, num_groups * group_size)
+
+    def max_units(self) -> int:
+        """The window placed at step 0 (a possible start) keeps the most trainable steps."""
+        return self._trainable_count(range(self.mode.window_size))
 
 
 @ROLLOUT_MODES.register("mixgrpo")
@@ -282,6 +301,10 @@ class MixGRPOMode(RolloutMode):
     def plan(self, iteration: int, num_groups: int, group_size: int,
              generator: torch.Generator) -> LinearPlan:
         return self._trainable(self.step_plan(iteration), num_groups * group_size)
+
+    def max_units(self) -> int:
+        """Every strategy may start the window at step 0, where it keeps the most trainable steps."""
+        return self._trainable_count(range(self.window.size))
 
 
 @ROLLOUT_MODES.register("mixgrpo_flash")
@@ -322,6 +345,9 @@ class TempFlowMode(RolloutMode):
         sde = torch.zeros(len(steps), self.num_steps, dtype=torch.bool).scatter_(1, steps, True)
         return LinearPlan(sde, steps, shared_noise=True)
 
+    def max_units(self) -> int:
+        return 1
+
 
 @ROLLOUT_MODES.register("branch")
 class BranchMode(RolloutMode):
@@ -357,10 +383,20 @@ class BranchMode(RolloutMode):
 
     def plan(self, iteration: int, num_groups: int, group_size: int, generator: torch.Generator) -> TreePlan:
         m = self.mode
+        return TreePlan(self.branch, self.sde, self._train_steps(iteration), m.width_keep, m.reward_backup)
+
+    def _train_steps(self, iteration: int) -> tuple[int, ...]:
+        """The trained steps at ``iteration``: SDE, kept by depth pruning, owned by depth >= 1, trainable."""
+        m = self.mode
         kept = tree.depth_prune(self.branch, iteration, m.depth_prune_window, m.depth_prune_interval)
-        steps = tuple(s for s in range(self.trainable_steps)
-                      if self.sde[s] and s in kept and self.branch.depth_at(s) >= 1)
-        return TreePlan(self.branch, self.sde, steps, m.width_keep, m.reward_backup)
+        return tuple(s for s in range(self.trainable_steps)
+                     if self.sde[s] and s in kept and self.branch.depth_at(s) >= 1)
+
+    def max_units(self) -> int:
+        """A tree's first leaf owns every trained transition of its ancestors; depth pruning's window stops
+        moving after at most ``num_steps`` shifts, so those iterations hold every trained-step set."""
+        interval = self.mode.depth_prune_interval
+        return max(len(self._train_steps(shift * interval)) for shift in range(self.num_steps + 1))
 
 
 def build_mode(cfg: Any) -> RolloutMode:

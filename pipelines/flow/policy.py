@@ -495,6 +495,12 @@ class FlowPolicy(Policy):
                        sample_mask=joined("sample_mask"), recompute_old_logp=True)
 
     # ------------------------------------------------------------------------------------------ training
+    def max_units(self) -> int:
+        """The most trained steps one sample has under the mode and schedule (:meth:`.modes.RolloutMode.max_units`): the
+        constant ``seq-mean-token-sum-norm`` divides by. A rollout's width varies below it (a MixGRPO window
+        reaching the deterministic last cps step, depth pruning)."""
+        return self.mode.max_units()
+
     def unit_chunks(self, rollout: Rollout) -> list[Tensor | None]:
         """How trained steps are split into backward passes, each at most one micro-batch of transitions (the
         activation memory of one ``train.micro_batch_size`` forward).

@@ -125,6 +125,13 @@ def flow_grpo_plan(num_steps: int, train_fraction: float = 0.9) -> StepPlan:
     return StepPlan(sde=(True,) * num_steps, train=tuple(range(k)))
 
 
+def dance_grpo_count(num_steps: int, train_fraction: float) -> int:
+    """DanceGRPO's trained steps per sample, ``k = max(1, round(train_fraction * T))``, rounded half up."""
+    _check_num_steps(num_steps)
+    _check_fraction("train_fraction", train_fraction)
+    return max(1, math.floor(train_fraction * num_steps + 0.5))
+
+
 def dance_grpo_steps(
     num_steps: int, train_fraction: float, num_samples: int, generator: torch.Generator | None = None
 ) -> Tensor:
@@ -135,11 +142,9 @@ def dance_grpo_steps(
     num_steps: T >= 1. train_fraction: in (0, 1]. num_samples: >= 1 (one row per rollout sample).
     generator: torch RNG for the draw (None: the global one). Returns (num_samples, k) int64, each row sorted.
     """
-    _check_num_steps(num_steps)
-    _check_fraction("train_fraction", train_fraction)
+    k = dance_grpo_count(num_steps, train_fraction)
     if num_samples < 1:
         raise ValueError(f"num_samples={num_samples} must be >= 1")
-    k = max(1, math.floor(train_fraction * num_steps + 0.5))
     keys = torch.rand(num_samples, num_steps, generator=generator)
     return keys.argsort(dim=1)[:, :k].sort(dim=1).values
 

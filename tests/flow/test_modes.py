@@ -94,6 +94,52 @@ def test_branch_plan_trains_owned_nodes_with_depth_pruning():
     assert p.ancestor(1).tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
+MAX_UNITS = {  # (overrides, the most trained steps one sample has, which some iteration reaches)
+    "flow_grpo": (["mode.name=flow_grpo", "mode.train_fraction=0.9"], 9),
+    "flow_grpo_cps": (["mode.name=flow_grpo", "mode.train_fraction=1.0", "sampling.sde=cps"], 9),
+    "dance_grpo": (["mode.name=dance_grpo", "mode.train_fraction=0.6"], 6),
+    "dance_grpo_cps": (["mode.name=dance_grpo", "mode.train_fraction=1.0", "sampling.sde=cps"], 9),
+    "fast": (["mode.name=fast", "mode.window_size=3"], 3),
+    "fast_cps_whole_schedule": (["mode.name=fast", "mode.window_size=10", "mode.fast_within=1.0",
+                                 "sampling.sde=cps"], 9),
+    "mixgrpo_cps": (["mode.name=mixgrpo", "mode.window_size=4", "mode.shift_interval=1", "sampling.sde=cps"], 4),
+    "mixgrpo_stride_3_cps": (["mode.name=mixgrpo", "mode.window_size=4", "mode.shift_interval=1",
+                              "mode.window_stride=3", "sampling.sde=cps"], 4),
+    "mixgrpo_random_cps": (["mode.name=mixgrpo", "mode.window_size=4", "mode.window_strategy=random",
+                            "sampling.sde=cps"], 4),
+    "mixgrpo_decay_cps": (["mode.name=mixgrpo", "mode.window_size=4", "mode.window_strategy=decay",
+                           "mode.shift_interval=2", "sampling.sde=cps"], 4),
+    "mixgrpo_flash_cps": (["mode.name=mixgrpo_flash", "mode.window_size=4", "mode.shift_interval=1",
+                           "sampling.sde=cps"], 4),
+    "tempflow": (["mode.name=tempflow"], 1),
+    "branch_pruned": (["mode.name=branch", "mode.split_points=[2,4,6]", "mode.depth_prune_window=3",
+                       "mode.depth_prune_interval=1", "train.group_size=8"], 5),
+    # cps: the window first covers the untrained last step (5 units), then 3 trained ones (4 units)
+    "branch_pruned_cps": (["mode.name=branch", "mode.split_points=[2,4,6]", "mode.depth_prune_window=3",
+                           "mode.depth_prune_interval=1", "train.group_size=8", "sampling.sde=cps"], 5),
+    "branch_mix": (["mode.name=branch", "mode.split_points=[1,2]", "mode.branch_variant=mix",
+                    "mode.window_size=4", "train.group_size=4", "mode.width_keep=0.5"], 3),
+}
+
+
+@pytest.mark.parametrize("case", list(MAX_UNITS))
+def test_max_units_is_the_widest_mask_of_any_iteration(case):
+    """Dr. GRPO's sum-norm divides by ``max_units``: a constant of the config that no rollout's mask exceeds and
+    some rollout reaches (the rollout's own width changes: a cps window at the end trains one step less)."""
+    overrides, expected = MAX_UNITS[case]
+    cfg = config(*overrides)
+    mode = build_mode(cfg)
+    group_size = cfg.train.group_size
+    widths = set()
+    for iteration in range(60):
+        p = mode.plan(iteration, 2, group_size, torch.Generator().manual_seed(iteration))
+        if isinstance(p, TreePlan):  # leaf-row layout: a row trains the units it owns
+            widths.add(int(p.owners().sum(dim=1).max()) if p.train_steps else 0)
+        else:
+            widths.add(p.train_steps.shape[1])
+    assert mode.max_units() == expected == max(widths)
+
+
 @pytest.mark.parametrize(("overrides", "key"), [
     (["mode.name=nope"], "mode.name"),
     (["sampling.sde=ito"], "sampling.sde"),

@@ -10,6 +10,7 @@ import torch
 from random_flow import RANDOM_TINY_SD3
 
 from mmgrpo.config import ConfigError, load_config
+from mmgrpo.grpo.losses import aggregation_weights
 from mmgrpo.pipelines.flow.data import prompt_datasets
 from mmgrpo.pipelines.flow.modes import LinearPlan
 from mmgrpo.pipelines.flow.policy import STATE_FILE, FlowPolicy
@@ -144,6 +145,19 @@ def test_a_refill_round_keeps_the_iteration_and_draws_its_own_noise(adapter, tmp
                                torch.cat([first.data["embeds"].cond["encoder_hidden_states"][4:],
                                           again.data["embeds"].cond["encoder_hidden_states"][:4]]))
     assert merged.counters["nfe/rollout"] == first.counters["nfe/rollout"] + again.counters["nfe/rollout"]
+
+
+def test_dr_grpo_divides_by_the_same_unit_count_when_a_cps_window_reaches_the_last_step(adapter, tmp_path):
+    """seq-mean-token-sum-norm divides a sample's unit sum by ``max_units``, a constant of the config: here the
+    window of 2 covers steps 0-1, 1-2, then 2-3, where the deterministic last cps step leaves one trained step."""
+    cfg = config("tiny_mixgrpo", tmp_path, "mode.shift_interval=1", "sampling.sde=cps", "sampling.noise_level=0.5",
+                 "grpo.loss_aggregation=seq-mean-token-sum-norm")
+    policy = FlowPolicy(cfg, adapter=adapter)
+    widths = [policy.rollout(ITEMS[:1], [i], 4).mask.shape[1] for i in range(3)]
+    assert widths == [2, 2, 1] and policy.max_units() == 2
+    one_unit = torch.ones(4, 1, dtype=torch.bool)
+    weights = aggregation_weights(one_unit, cfg.grpo.loss_aggregation, policy.max_units())
+    assert weights.tolist() == [[1 / 8]] * 4  # not 1 / 4: the per-unit weight stays that of the first windows
 
 
 def test_merging_tree_rollouts_keeps_each_kept_prompts_split_log_probs(adapter, tmp_path):
