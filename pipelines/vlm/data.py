@@ -103,12 +103,13 @@ def _json_list(text: str, name: str) -> list[tuple[int, Any]]:
 
 def _lone_object(text: str) -> bool:
     """Whether ``text`` is one JSON object that cannot be a one-record JSONL file: it spans several lines, or it has
-    neither ``solution`` nor ``answer``."""
+    none of a record's fields (such as ``{"data": [...]}``; a record missing some is parsed, and the missing field
+    named)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return False
-    return isinstance(value, dict) and ("\n" in text.strip() or not {"solution", "answer"} & value.keys())
+    return isinstance(value, dict) and ("\n" in text.strip() or not set(_CONSUMED) & value.keys())
 
 
 def _media_list(value: Any, key: str, source: str) -> list[str]:

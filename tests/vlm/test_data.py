@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +130,17 @@ def test_a_file_that_is_one_json_object_says_records_are_a_list(root: Path, cont
                               "records or one record object per line (JSONL)")
     path.write_text('{"problem": "a", "answer": "b"}\n')  # one line with one record is JSONL
     assert read_samples(path, root)[0].solution == "b"
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"problem": "Which way?", "problem_type": "multiple choice", "path": "v1.mp4", "data_type": "video"},
+     "'solution' (Video-R1 format) or 'answer'"),
+    ({"problem": "Which way?", "solution": "B"}, "'problem_type'"),
+])
+def test_a_one_record_jsonl_missing_a_field_names_the_field(root: Path, record: dict, field: str):
+    path = write_jsonl(root / "one.jsonl", [record])
+    with pytest.raises(ConfigError, match=rf"one\.jsonl:1: missing required field {re.escape(field)}"):
+        read_samples(path, root)
 
 
 def test_unknown_problem_type_lists_valid_ones(root: Path):
