@@ -369,9 +369,14 @@ def check_key(key: str, schema: type) -> None:
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading ``1e-3`` and ``5E+2`` as floats as YAML 1.2 (and OmegaConf) do: YAML 1.1 keeps a
-    number without a dot as a string, which in a free-form mapping (a reward's ``args``) stays one. A key given
-    twice in one mapping is an error (PyYAML keeps the last silently: a second ``train:`` drops the first)."""
+    """PyYAML's safe loader with the plain scalars of the YAML 1.2 core schema instead of YAML 1.1's: decimal ints
+    (``010`` is 10, not octal 8) plus ``0o``/``0x``, floats with a dot or an exponent (``1e-3``, ``.inf``), only
+    true/false as booleans, null/~/empty as null, and every other plain scalar a string (``on``, ``yes``,
+    ``12:30``, ``2024-01-01``, ``1_000``). A typed key still converts a string it can (OmegaConf reads ``off``
+    for a boolean key and ``1_000`` for an int one). A key given twice in one mapping is an error (PyYAML keeps
+    the last silently: a second ``train:`` drops the first)."""
+
+    yaml_implicit_resolvers: typing.ClassVar[dict] = {}  # filled below: none of SafeLoader's YAML 1.1 resolvers
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         lines: dict[Any, int] = {}
@@ -385,12 +390,22 @@ class ConfigLoader(yaml.SafeLoader):
             lines[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        """A core-schema int: decimal (leading zeros allowed), ``0o`` octal or ``0x`` hexadecimal."""
+        text = self.construct_scalar(node)
+        return int(text, 0) if text.startswith(("0o", "0x")) else int(text, 10)
 
-ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+for _tag, _pattern, _first in (
+    ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""]),
+    ("bool", r"true|True|TRUE|false|False|FALSE", list("tTfF")),
+    ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", list("-+0123456789")),
+    ("float", (r"[-+]?(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[-+]?[0-9]+[eE][-+]?[0-9]+"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)"), list("-+0123456789.")),
+    ("merge", r"<<", ["<"]),  # anchors merged into a mapping (<<: *defaults), as before
+):
+    ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), _first)
 
 
 def load_yaml(text: str) -> Any:

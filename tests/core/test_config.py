@@ -21,6 +21,7 @@ from mmgrpo.config import (
     key_docs,
     key_ranges,
     load_config,
+    load_yaml,
     read_preset,
     to_yaml,
     valid_keys,
@@ -370,3 +371,23 @@ def test_config_command_shows_resolved_values_with_their_docs(capsys, monkeypatc
     row = next(line for line in capsys.readouterr().out.splitlines() if "data.media_types" in line)
     assert "[image, video, text]" in row  # a list value is shown, not taken for markup
     assert main(["config", "vlm", "seed=1"]) == 2
+
+
+def test_yaml_scalars_follow_the_yaml_1_2_core_schema(tmp_path):
+    """PyYAML reads YAML 1.1: ``010`` was octal 8, ``12:30`` base-60 750, ``on``/``yes``/``off``/``no`` booleans
+    (a string key given ``on`` held 'True') and ``2024-01-01`` a date. The YAML 1.2 core schema reads decimal
+    ints, floats with a dot or an exponent, only true/false as booleans, and everything else as strings."""
+    text = "[010, 12:30, on, off, yes, no, 2024-01-01, 1_000, 0o17, 0x1F, true, FALSE, null, ~, 1e-3, 2., -.5, .inf]"
+    assert load_yaml(text) == [10, "12:30", "on", "off", "yes", "no", "2024-01-01", "1_000", 15, 31,
+                               True, False, None, None, 1e-3, 2.0, -0.5, float("inf")]
+    assert load_yaml("a: =") == {"a": "="}  # YAML 1.1's value key: PyYAML had no constructor for it
+    preset = tmp_path / "p.yaml"
+    preset.write_text("pipeline: toy_bandit:PIPELINE\noutput_dir: on\nseed: 010\nlogging: {progress: off}\n"
+                      "rewards: [{name: format, args: {think_tag: 12:30}}]\n")
+    cfg = load_config(preset)
+    assert (cfg.output_dir, cfg.seed, cfg.rewards[0].args) == ("on", 10, {"think_tag": "12:30"})
+    assert cfg.logging.progress is False  # a boolean key still takes off/on (OmegaConf converts the string)
+    cfg = load_config(preset, ["seed=012", "rewards.0.args.think_tag=on", "train.max_steps=0x10"])
+    assert (cfg.seed, cfg.rewards[0].args, cfg.train.max_steps) == (12, {"think_tag": "on"}, 16)
+    with pytest.raises(ConfigError, match="^bad value for 'train.max_steps'"):
+        load_config(preset, ["train.max_steps=1:30"])
