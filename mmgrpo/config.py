@@ -493,11 +493,28 @@ def field_type(key: str, schema: type) -> Any:
     return tp
 
 
+def unquoted(value: str) -> str | None:
+    """The string ``value`` holds when it is exactly one YAML-quoted scalar (``'it''s'`` -> it's, ``"a\\tb"`` ->
+    a<tab>b, by YAML's quoting rules); None for anything else (``'a' and 'b'``, ``it's``)."""
+    if len(value) < 2 or value[0] not in "'\"" or value[-1] != value[0]:
+        return None
+    try:
+        node = yaml.compose(value, Loader=ConfigLoader)
+    except yaml.YAMLError:
+        return None
+    whole = isinstance(node, yaml.ScalarNode) and node.style == value[0] and node.end_mark.index == len(value)
+    return node.value if whole else None
+
+
 def parse_override(key: str, value: str, schema: type) -> Any:
-    """The value of a ``key=value`` override: kept verbatim for string fields (so templates with braces and
-    colons survive), otherwise parsed as YAML (numbers, booleans, null, lists, mappings)."""
+    """The value of a ``key=value`` override: for string fields the unquoted string when the value is one quoted
+    YAML scalar (``model.path='a b'``), else kept verbatim (so templates with braces and colons survive);
+    otherwise parsed as YAML (numbers, booleans, null, lists, mappings)."""
     tp = field_type(key, schema)
     if tp is str or tp == (str | None):
+        string = unquoted(value)
+        if string is not None:
+            return string
         return None if value in ("null", "None", "~") and tp != str else value
     try:
         return load_yaml(value) if value != "" else ""

@@ -391,3 +391,17 @@ def test_yaml_scalars_follow_the_yaml_1_2_core_schema(tmp_path):
     assert (cfg.seed, cfg.rewards[0].args, cfg.train.max_steps) == (12, {"think_tag": "on"}, 16)
     with pytest.raises(ConfigError, match="^bad value for 'train.max_steps'"):
         load_config(preset, ["train.max_steps=1:30"])
+
+
+def test_a_quoted_override_value_is_the_unquoted_string(tmp_path):
+    """``output_dir='runs/x'`` (as Python callers pass it) kept the quotes in a string key; now a value that is one
+    YAML-quoted scalar is that string, by YAML's quoting rules, and an unquoted one is still verbatim."""
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "rewards": [{"name": "format"}]})
+    cfg = load_config(preset, ["output_dir='runs/x'", 'resume="latest"', "rewards.0.name='accuracy'"])
+    assert (cfg.output_dir, cfg.resume, cfg.rewards[0].name) == ("runs/x", "latest", "accuracy")
+    assert load_config(preset, ["rewards.0.args.think_tag='on'"]).rewards[0].args == {"think_tag": "on"}
+    for value, expected in [("'it''s: {a}'", "it's: {a}"), ('"tab\\there"', "tab\there"),
+                            ("'a' and 'b'", "'a' and 'b'"), ("'a' # c'", "'a' # c'"), ("it's", "it's"),
+                            ("'", "'"), ("{q}: 'x'", "{q}: 'x'")]:
+        assert load_config(preset, [f"output_dir={value}"]).output_dir == expected, value
+    assert load_config(preset, ["resume='null'"]).resume == "null" and load_config(preset, ["resume=null"]).resume is None
