@@ -211,12 +211,18 @@ class RolloutMode:
         """How many of ``steps`` can be trained (not the deterministic last cps step)."""
         return sum(s < self.trainable_steps for s in steps)
 
+    def _check_window_starts(self, starts: range, size: int) -> None:
+        """A ConfigError when a window of ``size`` steps at one of ``starts`` trains nothing: it holds only the
+        deterministic last cps step (the last start is the one that could)."""
+        if starts and not self._trainable_count(range(starts[-1], starts[-1] + size)):
+            raise ConfigError(f"bad value for 'mode.window_size': a {size}-step window at step {starts[-1]} "
+                              f"trains nothing with sampling.sde=cps (its last step is deterministic); use at "
+                              f"least 2")
+
     def _trainable(self, plan: schedules.StepPlan, num_samples: int) -> LinearPlan:
-        """A shared plan without an untrainable last CPS step; an error when nothing is left to train."""
+        """A shared plan without an untrainable last CPS step (one is always left: see
+        :meth:`_check_window_starts`)."""
         kept = tuple(s for s in plan.train if s < self.trainable_steps)
-        if not kept:
-            raise ConfigError(f"bad value for 'mode.name': {self.mode.name} trains no step with a log-prob "
-                              f"(the only trained step is the deterministic last cps step)")
         return LinearPlan.shared(schedules.StepPlan(plan.sde, kept, plan.solver_after, plan.ode_sigmas_after),
                                  num_samples, self.mode.shared_initial_noise)
 
@@ -267,8 +273,8 @@ class FastMode(RolloutMode):
     def __init__(self, cfg: Any):
         super().__init__(cfg)
         keys = {"window": "mode.window_size", "within": "mode.fast_within"}
-        checked(keys, schedules.fast_plan, self.num_steps, self.mode.window_size, self.mode.fast_within,
-                iteration=0, seed=max(cfg.seed, 0))
+        starts = checked(keys, schedules.fast_starts, self.num_steps, self.mode.window_size, self.mode.fast_within)
+        self._check_window_starts(starts, self.mode.window_size)
 
     def plan(self, iteration: int, num_groups: int, group_size: int,
              generator: torch.Generator) -> LinearPlan:
@@ -294,6 +300,7 @@ class MixGRPOMode(RolloutMode):
                 "strategy": "mode.window_strategy", "num_steps": "sampling.num_steps"}
         self.window = checked(keys, schedules.SlidingWindow, self.num_steps, m.window_size, m.shift_interval,
                               m.window_stride, m.window_strategy, seed=max(cfg.seed, 0))
+        self._check_window_starts(self.window.starts(), m.window_size)
 
     def step_plan(self, iteration: int) -> schedules.StepPlan:
         return self.window.plan(iteration)

@@ -223,13 +223,18 @@ class SlidingWindow:
         return max(self.min_shift_interval,
                    int(self.shift_interval * (1 - p) + self.min_shift_interval * p))
 
+    def starts(self) -> range:
+        """Every start the window takes: each integer up to ``max_start`` ("random"), else the multiples of
+        ``stride``."""
+        return range(0, self.max_start + 1, 1 if self.strategy == "random" else self.stride)
+
     def start(self, iteration: int) -> int:
         """First step of the window at training ``iteration`` (>= 0); the window is [start, start + size)."""
         if iteration < 0:
             raise ValueError(f"iteration={iteration} must be >= 0")
         if self.strategy == "random":
             return int(_seeded_rng(self.seed, iteration).integers(0, self.max_start + 1))
-        starts = range(0, self.max_start + 1, self.stride)
+        starts = self.starts()
         ends = list(accumulate(self.interval_at(s) for s in starts))
         return starts[bisect_right(ends, iteration % ends[-1])]
 
@@ -279,13 +284,19 @@ def fast_plan(
     num_steps: T >= 1. window: SDE steps, 1..H. within: fraction of the steps the window may occupy, in
     (0, 1]. iteration: training iteration >= 0. seed: >= 0.
     """
+    starts = fast_starts(num_steps, window, within)
+    start = int(_seeded_rng(seed, iteration).integers(0, len(starts)))
+    return _window_plan(num_steps, start, window)
+
+
+def fast_starts(num_steps: int, window: int, within: float) -> range:
+    """Every start :func:`fast_plan` may draw for its window: ``0..floor(within * T) - window``."""
     _check_num_steps(num_steps)
     _check_fraction("within", within)
     limit = math.floor(within * num_steps + _FRACTION_TOL)
     if not 1 <= window <= limit:
         raise ValueError(f"window={window} must be in [1, floor(within * num_steps) = {limit}]")
-    start = int(_seeded_rng(seed, iteration).integers(0, limit - window + 1))
-    return _window_plan(num_steps, start, window)
+    return range(limit - window + 1)
 
 
 def tempflow_branch_steps(

@@ -140,6 +140,26 @@ def test_max_units_is_the_widest_mask_of_any_iteration(case):
     assert mode.max_units() == expected == max(widths)
 
 
+@pytest.mark.parametrize("overrides", [
+    ["mode.name=mixgrpo", "mode.shift_interval=1"],
+    ["mode.name=mixgrpo", "mode.window_strategy=random"],
+    ["mode.name=mixgrpo_flash", "mode.shift_interval=1"],
+    ["mode.name=fast", "mode.fast_within=1.0"],
+])
+def test_a_cps_window_that_can_reach_only_the_last_step_fails_when_the_config_loads(overrides):
+    """A 1-step window on the last step trains nothing with cps: a config error, not a crash at that iteration."""
+    with pytest.raises(ConfigError, match="'mode.window_size'") as err:
+        config(*overrides, "mode.window_size=1", "sampling.sde=cps")
+    assert "\n" not in str(err.value)
+
+
+def test_a_cps_window_whose_stride_skips_the_last_step_trains_one_step_at_every_iteration():
+    mode = build_mode(config("mode.name=mixgrpo", "mode.window_size=1", "mode.shift_interval=1",
+                             "mode.window_stride=2", "sampling.sde=cps"))  # starts 0, 2, 4, 6, 8
+    starts = {int(mode.plan(it, 1, 8, torch.Generator()).train_steps[0, 0]) for it in range(10)}
+    assert starts == {0, 2, 4, 6, 8}
+
+
 @pytest.mark.parametrize(("overrides", "key"), [
     (["mode.name=nope"], "mode.name"),
     (["sampling.sde=ito"], "sampling.sde"),
