@@ -113,6 +113,16 @@ def opened_tag(chat: str) -> str:
     return found.group(0) if found else ""
 
 
+def check_attention(name: str) -> None:
+    """ConfigError naming ``model.attn_implementation`` and the choices when transformers has no attention kernel
+    called ``name`` (a hub kernel, ``org/repo``, is left to transformers)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = list(dict.fromkeys(["sdpa", "eager", "flash_attention_2", *ALL_ATTENTION_FUNCTIONS.valid_keys()]))
+    if name not in known and "/" not in name:
+        raise ConfigError(f"bad value '{name}' for 'model.attn_implementation': expected one of {', '.join(known)}")
+
+
 def pick_attention(name: str) -> str:
     """``name``, or sdpa (with a one-time warning) when flash_attention_2 cannot run here."""
     if name != "flash_attention_2":
@@ -195,6 +205,7 @@ class VLMModel:
             raise ConfigError(f"model.dtype: '{cfg.dtype}' is not one of {', '.join(DTYPES)}")
         self.cfg = cfg
         self.device = torch.device(device)
+        check_attention(cfg.attn_implementation)
         self.path, local = resolve_path(cfg)
         attn = pick_attention(cfg.attn_implementation)
         revision = None if local else cfg.revision

@@ -40,7 +40,7 @@ from mmgrpo.pipelines.vlm.data import (
 )
 from mmgrpo.pipelines.vlm.generation import generate_groups, scoring_temperature
 from mmgrpo.pipelines.vlm.logprobs import BLOCK_MASK_ATTENTION, token_logprobs_and_entropy
-from mmgrpo.pipelines.vlm.model import VLMModel
+from mmgrpo.pipelines.vlm.model import VLMModel, check_attention
 from mmgrpo.pipelines.vlm.prompt_cache import PromptCache
 from mmgrpo.pipelines.vlm.video import MediaCache, MediaError, check_video_config
 from mmgrpo.pipelines.vlm.vision_calls import VisionCallBalancer, calls_to_balance
@@ -163,6 +163,7 @@ def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
     if unknown:
         raise ConfigError(f"bad value for 'data.type_instructions': {unknown} are not problem types; expected some "
                           f"of {', '.join(PROBLEM_TYPES)}")
+    check_attention(cfg.model.attn_implementation)
     if cfg.prefix_grouper and cfg.model.attn_implementation not in BLOCK_MASK_ATTENTION:
         raise ConfigError(f"prefix_grouper needs a block attention mask, which {cfg.model.attn_implementation} "
                           "cannot take: set 'model.attn_implementation' to sdpa (its memory-efficient kernel takes "

@@ -519,10 +519,19 @@ def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
         VLMPolicy(config(tmp_path, overrides=("model.path=tiny:qwen3_vl",)))  # 16-px patches, merged 2 x 2
     with pytest.raises(ConfigError, match=r"video.frame_multiple: 3 is not a multiple of the 2 frames .* set "
                                           r"video.frame_multiple=2"):  # a partial temporal patch
-        VLMPolicy(config(tmp_path, overrides=("video.frame_multiple=3",)))
+        VLMPolicy(config(tmp_path, overrides=("video.frame_multiple=3", "video.max_frames=6")))
     # checked on the configured value: on CPU flash_attention_2 would fall back to sdpa and hide the clash
     with pytest.raises(ConfigError, match="model.attn_implementation"):
         VLMPolicy(config(tmp_path, overrides=("model.attn_implementation=flash_attention_2", "prefix_grouper=true")))
+
+
+@pytest.mark.parametrize("prefix_grouper", [True, False])
+def test_an_unknown_attention_names_the_key_and_the_choices_when_the_config_loads(tmp_path, prefix_grouper):
+    """A typo (flash_attn) was a 'model.path: cannot load' error after reading the data, or, with the Prefix
+    Grouper, a claim that flash_attn cannot take a block mask."""
+    with pytest.raises(ConfigError, match=r"bad value 'flash_attn' for 'model.attn_implementation': expected one of "
+                                          r"sdpa, eager, flash_attention_2, "):
+        config(tmp_path, overrides=("model.attn_implementation=flash_attn", f"prefix_grouper={prefix_grouper}"))
 
 
 @pytest.mark.parametrize("attention", ["flash_attention_3", "flex_attention"])
