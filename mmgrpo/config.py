@@ -458,7 +458,8 @@ def check_sections(data: dict, schema: type, prefix: str = "") -> None:
             check_sections(value, schema, key + ".")
         elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]) \
                 and isinstance(value, list):
-            names = [f.name for f in dataclasses.fields(typing.get_args(tp)[0])]
+            item_type = typing.get_args(tp)[0]
+            names = [f.name for f in dataclasses.fields(item_type)]
             for i, item in enumerate(value):
                 if not isinstance(item, dict):
                     continue
@@ -468,10 +469,17 @@ def check_sections(data: dict, schema: type, prefix: str = "") -> None:
                     hint = f" (closest: '{close[0]}')" if close else f" (valid: {', '.join(names)})"
                     raise ConfigError(f"unknown key '{key}.{i}.{unknown}'{hint}")
                 check_sections(item, schema, f"{key}.{i}.")
+                try:  # a whole list is typed item by item with no path: name it here
+                    OmegaConf.merge(OmegaConf.structured(item_type), item)
+                except OmegaConfBaseException as err:
+                    raise ConfigError(_omegaconf_message(err, item_type, f"{key}.{i}.")) from err
 
 
-def _omegaconf_message(err: OmegaConfBaseException, schema: type) -> str:
+def _omegaconf_message(err: OmegaConfBaseException, schema: type, prefix: str = "") -> str:
+    """One line for an OmegaConf error of ``schema`` that names its dotted key (list indices as ``.0``, not
+    ``[0]``), with ``prefix`` before it: the path of the section ``schema`` is."""
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or ""
+    key = prefix + re.sub(r"\[(\d+)\]", r".\1", str(key)) if key else ""
     text = " ".join(str(err).split("\n")[0].split())
     if type(err).__name__ == "ConfigKeyError" and key:
         return f"unknown key '{key}'{_closest(str(key), list(valid_keys(schema)))}"

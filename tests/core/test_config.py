@@ -405,3 +405,22 @@ def test_a_quoted_override_value_is_the_unquoted_string(tmp_path):
                             ("'", "'"), ("{q}: 'x'", "{q}: 'x'")]:
         assert load_config(preset, [f"output_dir={value}"]).output_dir == expected, value
     assert load_config(preset, ["resume='null'"]).resume == "null" and load_config(preset, ["resume=null"]).resume is None
+
+
+@pytest.mark.parametrize(("text", "override", "message"), [
+    ("[{name: format}, {name: accuracy, weight: abc}]", None,
+     r"bad value for 'rewards\.1\.weight': Value 'abc' of type 'str' could not be converted to Float"),
+    ("[{name: format, args: 5}]", None, r"bad value for 'rewards\.0\.args': Cannot assign int to Dict"),
+    ("[5]", None, r"bad value for 'rewards\.0': Invalid type assigned: int is not a subclass of RewardSpec"),
+    ("[{name: format}]", "rewards=[{name: format}, {name: accuracy, weight: q}]", r"bad value for 'rewards\.1\.weight'"),
+    ("[{name: format}]", "rewards.0.weight=q", r"bad value for 'rewards\.0\.weight'"),
+    ("[{name: format}]", "rewards.0={name: format, weight: q}", r"bad value for 'rewards\.0\.weight'"),
+])
+def test_a_wrong_typed_key_of_a_reward_item_names_the_item_and_the_key(tmp_path, text, override, message):
+    """A preset's ``{name: accuracy, weight: abc}`` said only "bad value for 'weight'" (which reward? which
+    list?); an override said 'rewards[1].weight'. Now each names the dotted key, in one line."""
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"pipeline: toy_bandit:PIPELINE\nrewards: {text}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, [override] if override else [])
+    assert re.match(message, str(err.value)) and "\n" not in str(err.value), str(err.value)
