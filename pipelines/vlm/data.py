@@ -10,8 +10,9 @@ first character, not the extension. The format is detected per record:
   prompt is split at them and the media take their places in marker order (:func:`chat_content`).
 
 A record with ``solution`` is Video-R1, one with ``answer`` (and no ``solution``) EasyR1. Media paths are resolved
-against the data root. Any other field is kept in :attr:`VLMSample.extra` and reaches the rewards through
-:func:`reward_meta`. Every problem raises ConfigError naming ``file:line``.
+against the data root (one starting with ``~`` is under the home folder, absolute once expanded). Any other field is
+kept in :attr:`VLMSample.extra` and reaches the rewards through :func:`reward_meta`. Every problem raises ConfigError
+naming ``file:line``.
 
 A ``task:NAME[,NAME...]`` source (:func:`read_task_split`) is a split of registered synthetic QA tasks, written
 once to a cache folder in the Video-R1 format and read from there like any file.
@@ -173,14 +174,14 @@ def _parse_record(record: Any, source: str, root: Path) -> VLMSample:
             media[kind] += _media_list(record[key], key, source)
     return VLMSample(
         question=question, problem_type=problem_type, options=[str(o) for o in options], solution=solution,
-        images=[Path(os.path.abspath(root / p)) for p in media["image"]],
-        videos=[Path(os.path.abspath(root / p)) for p in media["video"]],
+        images=[Path(os.path.abspath(root / Path(p).expanduser())) for p in media["image"]],
+        videos=[Path(os.path.abspath(root / Path(p).expanduser())) for p in media["video"]],
         source=source, extra={k: v for k, v in record.items() if k not in _CONSUMED})
 
 
 def read_samples(path: str | os.PathLike, root: str | os.PathLike) -> list[VLMSample]:
     """Every sample of a Video-R1 / EasyR1 file (JSON list or JSONL), media paths resolved against ``root`` (both
-    paths may start with ``~``, the home folder).
+    paths, and the media paths, may start with ``~``, the home folder).
 
     Raises ConfigError, naming ``file:line``, for a missing or empty file, malformed JSON, a record that is not an
     object, a missing or blank required field, an unknown problem type (the message lists the valid ones) or a bad

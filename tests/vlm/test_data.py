@@ -184,6 +184,18 @@ def test_empty_file(root: Path, content: str):
         read_samples(path, root)
 
 
+def test_a_media_path_with_a_tilde_is_under_the_home_folder(root: Path, tmp_path: Path, monkeypatch):
+    home = tmp_path / "home"
+    (home / "clips").mkdir(parents=True)
+    (home / "clips" / "v.mp4").write_bytes(b"")
+    monkeypatch.setenv("HOME", str(home))
+    path = write_jsonl(root / "d.jsonl", [video_r1(path="~/clips/v.mp4"),
+                                          {"problem": "q", "answer": "a", "images": ["~/clips/x.png", "a.png"]}])
+    first, second = read_samples(path, root)
+    assert first.videos == [home / "clips" / "v.mp4"]
+    assert second.images == [home / "clips" / "x.png", root / "a.png"]
+
+
 def test_missing_file_and_wrong_root(root: Path, tmp_path: Path):
     with pytest.raises(ConfigError, match="data file not found"):
         read_samples(root / "nope.jsonl", root)
