@@ -49,21 +49,33 @@ def aggregation_count(mask: torch.Tensor, mode: str) -> float:
     return float(mask.sum()) if mode == "token-mean" else float((mask.sum(dim=1) > 0).sum())
 
 
+def log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """(N, U) fp32 log of :func:`importance_ratio`, 0 on masked-out units, with the same gradient structure."""
+    logp = torch.where(mask, logp.float(), 0.0)
+    delta = logp - torch.where(mask, old_logp.float(), 0.0)
+    if level == "token":
+        return delta
+    if level == "sequence":
+        log_s = delta.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        return torch.where(mask, log_s.detach() + (logp - logp.detach()), 0.0)
+    raise ValueError(f"unknown ratio level '{level}' (valid: token, sequence)")
+
+
 def importance_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """(N, U) fp32 ratio pi / pi_old, 1 on masked-out units (their log-probs may be anything, even -inf).
 
     - ``token``: exp(logp - old_logp) per unit.
     - ``sequence`` (GSPO): s_i = exp(mean over the row's trained units of (logp - old_logp)), on every trained unit,
-      written as sg[s_i] * exp(logp_t - sg[logp_t]) so d ratio_t / d logp_t = s_i. Aggregated with
+      written as exp(sg[log s_i] + logp_t - sg[logp_t]) so d ratio_t / d logp_t = s_i. Aggregated with
       ``seq-mean-token-mean`` its gradient equals that of the sequence objective mean_i(s_i * A_i)."""
-    logp = torch.where(mask, logp.float(), 0.0)
-    delta = logp - torch.where(mask, old_logp.float(), 0.0)
-    if level == "token":
-        return delta.exp()
-    if level == "sequence":
-        log_s = delta.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)
-        return torch.where(mask, log_s.detach().exp() * (logp - logp.detach()).exp(), 1.0)
-    raise ValueError(f"unknown ratio level '{level}' (valid: token, sequence)")
+    return log_ratio(logp, old_logp, mask, level).exp()
+
+
+def _weighted_ratio(log_r: torch.Tensor, adv: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """(N, U) ratio * A on the ``live`` units, 0 elsewhere. The exp is taken of live log-ratios only, so a ratio
+    that overflows fp32 (a log-ratio above ~88 nats) on a unit whose term is constant gives neither inf * 0 = NaN
+    in the loss nor 0 * inf = NaN in the gradient."""
+    return torch.where(live, torch.where(live, log_r, 0.0).exp() * adv, 0.0)
 
 
 def _per_unit(advantages: torch.Tensor) -> torch.Tensor:
@@ -87,12 +99,13 @@ def ppo_clip_loss(
     ``clip_high`` defaults to ``clip_low``. ``clipped`` marks units whose gradient the clip zeroes: ratio above
     1 + clip_high with A > 0, or below 1 - clip_low with A < 0."""
     clip_high = clip_low if clip_high is None else clip_high
-    ratio = importance_ratio(logp, old_logp, mask, level)
+    log_r = log_ratio(logp, old_logp, mask, level)
+    ratio = log_r.exp()
     adv = _per_unit(advantages)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
-    loss = torch.where(mask, -surrogate, 0.0)
     clipped = mask & (((ratio > 1 + clip_high) & (adv > 0)) | ((ratio < 1 - clip_low) & (adv < 0)))
-    return loss, ratio, clipped
+    bound = torch.where(adv > 0, 1 + clip_high, 1 - clip_low)
+    surrogate = _weighted_ratio(log_r, adv, mask & ~clipped & (adv != 0)) + torch.where(clipped, bound * adv, 0.0)
+    return -surrogate, ratio, clipped
 
 
 @POLICY_LOSSES.register("reinforce")
@@ -107,9 +120,9 @@ def reinforce_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unclipped importance-weighted policy gradient: -ratio * A per unit. The clip arguments are accepted so that
     every policy loss takes the same keywords, and are ignored; ``clipped`` is all False."""
-    ratio = importance_ratio(logp, old_logp, mask, level)
-    loss = torch.where(mask, -ratio * _per_unit(advantages), 0.0)
-    return loss, ratio, torch.zeros_like(mask)
+    log_r = log_ratio(logp, old_logp, mask, level)
+    adv = _per_unit(advantages)
+    return -_weighted_ratio(log_r, adv, mask & (adv != 0)), log_r.exp(), torch.zeros_like(mask)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:

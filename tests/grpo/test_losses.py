@@ -194,6 +194,34 @@ def test_row_advantages_broadcast_and_masked_units():
         close(logp.grad, [[-2.0, -2.0, 0.0], [1.0, 0.0, 0.0]])
 
 
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_an_overflowed_ratio_gives_the_closed_form_not_nan(level):
+    """A unit with a log-ratio of 200 nats has exp(200) = inf in fp32: with A = 0, inf * 0 made the loss NaN, and
+    with A > 0 the clip's zero gradient times inf made the gradient NaN, so the whole update was skipped. The
+    closed form: A = 0 gives 0 and no gradient; A > 0 above 1 + clip gives -(1 + clip) A and no gradient; the
+    other units of the batch keep -r A and d/dlogp = -r A."""
+    logp = t([[200.0, 200.0, math.log(1.1), math.log(0.5)], [0.0, 0.0, 0.0, 0.0]]).requires_grad_()
+    old = torch.zeros(2, 4)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    adv = t([[0.0, 2.0, 1.0, 1.0], [-1.0, -1.0, -1.0, -1.0]]) if level == "token" else t([0.0, -1.0])
+    loss, ratio, clipped = ppo_clip_loss(logp, old, adv, mask, clip_low=0.2, level=level)
+    (aggregation_weights(mask, "token-mean") * loss).sum().backward()
+    if level == "token":
+        close(loss, [[0.0, -2.4, -1.1, -0.5], [1.0, 1.0, 1.0, 1.0]])
+        assert clipped.tolist() == [[False, True, False, False], [False] * 4] and torch.isinf(ratio[0, 0])
+        close(logp.grad, t([[0.0, 0.0, -1.1, -0.5], [1.0, 1.0, 1.0, 1.0]]) / 8)
+    else:  # row 0: s = exp(mean log-ratio) = exp(100 + (log 1.1 + log 0.5) / 4) = inf too, with A = 0
+        close(loss, [[0.0] * 4, [1.0] * 4])
+        close(logp.grad, t([[0.0] * 4, [1.0] * 4]) / 8)
+    for fn in (ppo_clip_loss, reinforce_loss):  # A = 0 on the overflowed unit, unclipped on the others
+        x = logp.detach().clone().requires_grad_()
+        loss, _, _ = fn(x, old, t([[0.0, -1.0, 1.0, 1.0], [1.0] * 4]), mask, clip_low=1e6, level="token")
+        loss.sum().backward()
+        close(loss[:, [0, 2, 3]], [[0.0, -1.1, -0.5], [-1.0, -1.0, -1.0]])
+        assert torch.isinf(loss[0, 1])  # A < 0 on an infinite ratio: the true loss is infinite
+        close(x.grad[:, [0, 2, 3]], [[0.0, -1.1, -0.5], [-1.0, -1.0, -1.0]])
+
+
 def test_reinforce_is_unclipped():
     logp, old, mask = from_ratios([3.0, 0.1])
     loss, ratio, clipped = reinforce_loss(logp, old, t([[1.0, -1.0]]), mask, clip_low=0.2, clip_high=0.2)
