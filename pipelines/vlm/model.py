@@ -29,6 +29,9 @@ from mmgrpo.registry import MODEL_ADAPTERS
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>")
 VISION_CONFIG_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+MEDIA_TOKENS = ("<|image_pad|>", "<|video_pad|>")
+MEDIA_CONFIG_IDS = ("image_token_id", "video_token_id")
+"""The tokens that stand for patch embeddings (one per merged patch), without the markers around them."""
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 VISION_MODULES = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
 """Names of the vision tower / projector submodules (Qwen2-VL keeps its merger inside ``visual``)."""
@@ -194,6 +197,7 @@ class VLMModel:
       ``model.path`` that is a PEFT adapter loads as its base model (``base_path``) with the adapter merged in, so
       training starts from the adapted model, which is also the reference.
     - ``vision_token_ids``: every vision special token id; generation never samples them.
+    - ``media_token_ids``: the image and video token ids only (one per merged patch embedding).
     - ``eos_token_ids``: ``<|im_end|>`` and ``<|endoftext|>``; ``pad_token_id`` right-pads completions.
     - ``completion_lead``: the tag the chat template's generation prompt leaves open (:func:`opened_tag`, e.g.
       ``"<think>\\n"``), put before every completion text so the rewards see the completion as the model effectively
@@ -255,6 +259,9 @@ class VLMModel:
         ids = {vocab[t] for t in VISION_TOKENS if t in vocab}
         ids |= {getattr(config, k) for k in VISION_CONFIG_IDS if getattr(config, k, None) is not None}
         self.vision_token_ids: list[int] = sorted(ids)
+        self.media_token_ids: list[int] = sorted({vocab[t] for t in MEDIA_TOKENS if t in vocab}
+                                                 | {getattr(config, k) for k in MEDIA_CONFIG_IDS
+                                                    if getattr(config, k, None) is not None})
         self.eos_token_ids: list[int] = sorted({vocab[t] for t in EOS_TOKENS if t in vocab}
                                                | ({self.tokenizer.eos_token_id} - {None}))
         pad = self.tokenizer.pad_token_id

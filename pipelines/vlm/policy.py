@@ -485,10 +485,11 @@ class VLMPolicy(Policy):
         return self.cfg.generation.max_new_tokens
 
     def _token_counters(self, data: dict[str, Any], truncated: torch.Tensor, rollout_tokens: int) -> dict:
-        """``tokens/*``: prompt and vision tokens per prompt, completion lengths, the truncated fraction, tokens
-        sampled in the rollout, and tokens one training pass forwards (``tokens/train``, which the Prefix
-        Grouper shrinks: each prompt once per micro-batch instead of once per completion)."""
-        vision_ids = torch.tensor(self.vlm.vision_token_ids, device=self.vlm.device)
+        """``tokens/*``: prompt tokens and vision tokens (image and video tokens, one per merged patch, without the
+        markers around them) per prompt, completion lengths, the truncated fraction, tokens sampled in the rollout,
+        and tokens one training pass forwards (``tokens/train``, which the Prefix Grouper shrinks: each prompt once
+        per micro-batch instead of once per completion)."""
+        vision_ids = torch.tensor(self.vlm.media_token_ids, device=self.vlm.device)
         prompt_len = [p["input_ids"].shape[1] for p in data["prompts"]]
         vision = [int(torch.isin(p["input_ids"], vision_ids).sum()) for p in data["prompts"]]
         lengths = data["mask"].sum(1)

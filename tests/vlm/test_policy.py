@@ -84,6 +84,17 @@ def test_rollout_carries_the_samplers_logprobs_and_asks_the_trainer_for_the_forw
         policy.cfg.prefix_grouper = True
 
 
+def test_vision_tokens_count_the_patch_embeddings_of_each_prompt(lora_policy):
+    """``tokens/vision`` is the prompts' image and video tokens (one per merged patch: the grid's t*h*w over
+    merge**2), not the vision start and end markers around them."""
+    rollout = rollout_of(lora_policy, lora_policy.train_items[:2])
+    merge = lora_policy.vlm.processor.image_processor.merge_size ** 2
+    counts = [sum(int(p[k].prod(-1).sum()) // merge for k in ("image_grid_thw", "video_grid_thw") if k in p)
+              for p in rollout.data["prompts"]]
+    assert min(counts) > 0
+    assert rollout.counters["tokens/vision"] == sum(counts) / len(counts)
+
+
 @pytest.mark.parametrize("prefix_grouper", [True, False])
 def test_logprobs_are_those_of_the_sampling_temperature(lora_policy, prefix_grouper, monkeypatch):
     """At generation.temperature 0.6 the trainer's log-probs equal the sampler's (logits / 0.6), not the
