@@ -105,7 +105,8 @@ class FlowModeConfig:
     window_size: int = ranged(4, low=1)
     """mixgrpo / flash / fast: SDE steps in the sliding window. branch with branch_variant=mix: the SDE window
     is steps [0, window_size) (plus the split steps). mixgrpo, flash and branch-mix need 1 <= window_size <=
-    sampling.num_steps (fast: at most fast_within of it). MixGRPO publishes 4; Flow-GRPO-Fast uses 3, so set
+    sampling.num_steps (fast: at most fast_within of it); with sampling.sde=cps a 1-step window that can land on
+    the deterministic last step is refused. MixGRPO publishes 4; Flow-GRPO-Fast uses 3, so set
     ``mode.window_size: 3`` with ``mode.name: fast``."""
     shift_interval: int = ranged(25, low=1)
     """mixgrpo / flash: iterations between window moves."""
