@@ -33,6 +33,9 @@ PIXEL_UNIT = 28 * 28
 BACKENDS = ("auto", "decord", "pyav")
 MAX_ASPECT = 200
 """The longest side over the shortest that the Qwen2-VL-family processors accept for an image or frame."""
+FPS_TOLERANCE = 1.5
+"""How many times the container's frame rate may differ from its frames over its duration before the latter is
+taken (:func:`clip_fps`)."""
 
 
 class MediaError(Exception):
@@ -166,18 +169,36 @@ def _resize(frames: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     return torch.from_numpy(np.require(frames, np.uint8, ["C", "W"])).permute(0, 3, 1, 2).contiguous()
 
 
-def _frame_plan(path: Path, total: int, native_fps: float, cfg: VLMVideoConfig) -> tuple[list[int], float]:
-    """The frame indices to decode and the sampled fps they amount to (frames per second of video)."""
+def clip_fps(native_fps: float, total: int, duration_s: float) -> float:
+    """The clip's frame rate (frames per second): the container's ``native_fps``, unless ``total`` frames over its
+    ``duration_s`` seconds disagree with it by more than :data:`FPS_TOLERANCE` times, or it is not a positive finite
+    number (containers report 1000 fps, the time base, or 0 for some Matroska / WebM files): then ``total /
+    duration_s``. NaN when neither is usable."""
+    usable = math.isfinite(native_fps) and native_fps > 0
+    if not (math.isfinite(duration_s) and duration_s > 0 and total > 0):
+        return native_fps if usable else math.nan
+    measured = total / duration_s
+    if not usable or max(native_fps / measured, measured / native_fps) > FPS_TOLERANCE:
+        return measured
+    return native_fps
+
+
+def _frame_plan(path: Path, total: int, native_fps: float, duration_s: float,
+                cfg: VLMVideoConfig) -> tuple[list[int], float]:
+    """The frame indices to decode and the sampled fps they amount to (frames per second of video), from the
+    container's frame count, rate and duration (seconds; NaN when unknown) through :func:`clip_fps`."""
     if total < 1:
         raise MediaError(path, "no frames")
-    if not (math.isfinite(native_fps) and native_fps > 0):
-        raise MediaError(path, f"no usable frame rate in the container ({native_fps})")
+    native_fps = clip_fps(native_fps, total, duration_s)
+    if math.isnan(native_fps):
+        raise MediaError(path, "no usable frame rate or duration in the container")
     count = frame_count(total / native_fps, native_fps, total, cfg)
     return sample_indices(total, count), count * native_fps / total
 
 
 def read_decord(path: Path, cfg: VLMVideoConfig) -> tuple[np.ndarray, float]:
-    """Decode the sampled frames with decord: (T,H,W,3) uint8 at native resolution, and the sampled fps.
+    """Decode the sampled frames with decord: (T,H,W,3) uint8 at native resolution, and the sampled fps. The
+    duration is from the first frame's start to the last frame's end.
 
     Raises ImportError when decord is not installed and MediaError when it cannot read the file."""
     import decord
@@ -185,9 +206,11 @@ def read_decord(path: Path, cfg: VLMVideoConfig) -> tuple[np.ndarray, float]:
     try:
         reader = decord.VideoReader(str(path), ctx=decord.cpu(0))
         total, native_fps = len(reader), float(reader.get_avg_fps())
+        duration = float(reader.get_frame_timestamp(total - 1)[1] - reader.get_frame_timestamp(0)[0]) \
+            if total else math.nan
     except Exception as err:  # decord raises its own DECORDError, RuntimeError, ... for unreadable input
         raise MediaError(path, f"decord cannot open it ({_reason(err)})") from err
-    indices, fps = _frame_plan(path, total, native_fps, cfg)
+    indices, fps = _frame_plan(path, total, native_fps, duration, cfg)
     try:
         batch = reader.get_batch(indices)
     except Exception as err:
@@ -198,7 +221,8 @@ def read_decord(path: Path, cfg: VLMVideoConfig) -> tuple[np.ndarray, float]:
 def read_pyav(path: Path, cfg: VLMVideoConfig) -> tuple[np.ndarray, float]:
     """Decode the sampled frames with PyAV: (T,H,W,3) uint8 at native resolution, and the sampled fps.
 
-    The frame count comes from the stream header, or from counting packets when the header has none. When the
+    The frame count comes from the stream header, or from counting packets when the header has none; the duration
+    from the stream, or else the container. When the
     stream then decodes to fewer frames than that, the frames are picked again over the frames that exist."""
     import av
 
@@ -214,9 +238,11 @@ def read_pyav(path: Path, cfg: VLMVideoConfig) -> tuple[np.ndarray, float]:
             stream = open_stream(container)
             rate = stream.average_rate or stream.guessed_rate
             native_fps = float(rate) if rate else 0.0
+            duration = float(stream.duration * stream.time_base) if stream.duration and stream.time_base else \
+                container.duration / av.time_base if container.duration else math.nan
             total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         for _ in range(2):
-            indices, fps = _frame_plan(path, total, native_fps, cfg)
+            indices, fps = _frame_plan(path, total, native_fps, duration, cfg)
             wanted, decoded, seen = set(indices), {}, 0
             with av.open(str(path)) as container:
                 for frame in container.decode(open_stream(container)):
@@ -240,7 +266,7 @@ def decode_video(path: str | os.PathLike, cfg: VLMVideoConfig) -> tuple[torch.Te
 
     T is :func:`frame_count` of the clip; H, W are :func:`smart_size` of the native size with the per-frame budget
     ``[cfg.min_pixels, cfg.max_pixels] * PIXEL_UNIT`` and ``cfg.size_factor``. The fps is ``T * native_fps /
-    total_frames`` (Qwen2.5-VL's ``second_per_grid_ts`` is ``frame_multiple / fps``).
+    total_frames``, ``native_fps`` the container's rate checked against its duration (:func:`clip_fps`) (Qwen2.5-VL's ``second_per_grid_ts`` is ``frame_multiple / fps``).
     Raises MediaError for a missing or unreadable file, ConfigError for a bad ``video.*`` value or
     ``backend: decord`` without decord installed.
     """

@@ -19,6 +19,7 @@ from mmgrpo.pipelines.vlm.config import VLMVideoConfig
 from mmgrpo.pipelines.vlm.video import (
     MediaCache,
     MediaError,
+    clip_fps,
     decode_video,
     frame_count,
     load_image,
@@ -159,6 +160,51 @@ def test_auto_falls_back_to_pyav(monkeypatch: pytest.MonkeyPatch):
     assert torch.equal(decode_video(CLIPS[0], cfg(backend="auto"))[0], expected)
     with pytest.raises(ConfigError, match="'video.backend': decord is not installed"):
         decode_video(CLIPS[0], cfg(backend="decord"))
+
+
+@pytest.mark.parametrize("native, total, duration, expected", [
+    (30.0, 60, 2.0, 30.0),             # consistent: the container's rate
+    (29.97, 60, 2.0, 29.97),           # close enough: the container's rate
+    (1000.0, 60, 2.0, 30.0),           # a rate far from 60 frames in 2 s: the frames over the duration
+    (2.0, 60, 2.0, 30.0),
+    (0.0, 60, 2.0, 30.0),              # no rate
+    (float("nan"), 60, 2.0, 30.0),
+    (25.0, 60, float("nan"), 25.0),    # no duration: the rate
+    (25.0, 60, 0.0, 25.0),
+    (0.0, 60, 0.0, None),              # neither
+])
+def test_clip_fps_prefers_the_frames_over_the_duration_when_the_rate_disagrees(native, total, duration, expected):
+    fps = clip_fps(native, total, duration)
+    assert (math.isnan(fps) if expected is None else fps == pytest.approx(expected))
+
+
+def write_clip_with_a_wrong_rate(path: Path, frames: int, true_fps: int, declared_fps: int) -> Path:
+    """A Matroska clip whose frames are 1/true_fps s apart but whose header declares declared_fps (what decord and
+    PyAV report as its rate)."""
+    import fractions
+
+    av = pytest.importorskip("av")
+    with av.open(str(path), "w", format="matroska") as container:
+        stream = container.add_stream("libx264", rate=declared_fps)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.time_base = fractions.Fraction(1, 1000)
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), 2 * i, np.uint8), format="rgb24")
+            frame.pts, frame.time_base = i * 1000 // true_fps, fractions.Fraction(1, 1000)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+@pytest.mark.parametrize("backend", ["decord", "pyav"])
+def test_a_container_with_an_absurd_frame_rate_samples_by_its_duration(tmp_path: Path, backend: str):
+    """90 frames at 30 fps (3 s) declared as 1000 fps: 6 frames at 2 fps, not 4 frames (min_frames) at 44 fps, which
+    would give Qwen2.5-VL temporal positions and Qwen3-VL timestamps 22x too close together."""
+    clip = write_clip_with_a_wrong_rate(tmp_path / "wrong_rate.mkv", 90, 30, 1000)
+    frames, fps = decode_video(clip, cfg(backend=backend))
+    assert frames.shape[0] == 6 and fps == pytest.approx(2.0, rel=0.05)
+    assert frames[:, 0, 0, 0].tolist() == pytest.approx([14, 44, 74, 104, 134, 164], abs=6)  # frame i holds 2 i
 
 
 @pytest.mark.parametrize("backend", ["auto", "decord", "pyav"])
