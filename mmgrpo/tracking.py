@@ -36,6 +36,40 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+WANDB_ID_FILE = "wandb/run_id"
+"""Where in the run directory the id of its wandb run is kept (next to wandb's own files), for a resume."""
+
+
+def start_wandb(run_dir: Path, project: str, config: dict[str, Any], resume_step: int | None,
+                last_step: int) -> tuple[Any, int]:
+    """The wandb run of ``run_dir`` and the first step to send to it.
+
+    A fresh run (``resume_step`` None) starts a new wandb run and keeps its id in ``WANDB_ID_FILE``; a resume
+    continues the run of that id (or starts one when there is none: the killed run did not log to wandb). wandb
+    drops a step below one it already has, so a resume from step N of a run that had logged up to ``last_step``
+    sends from ``last_step`` + 1 on: wandb keeps the killed run's values of steps N+1..last_step, metrics.jsonl and
+    tensorboard get the resumed run's (and a warning says so)."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    stored = id_file.read_text().strip() if resume_step is not None and id_file.is_file() else ""
+    run = wandb.init(project=project, dir=str(run_dir), config=config, id=stored or None,
+                     resume="allow" if stored else None)
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    fresh = id_file.with_name(".run_id.tmp")
+    fresh.write_text(run.id + "\n")
+    os.replace(fresh, id_file)
+    if not stored:
+        return run, 0
+    first = max(last_step + 1, run.step)  # online, run.step is the step after the ones wandb already has
+    if first > resume_step + 1:
+        warnings.warn(f"steps {resume_step + 1}-{first - 1} are logged again after the resume from step "
+                      f"{resume_step}; wandb run {run.id} already has them from before and drops a step logged twice, "
+                      f"so it keeps those values and gets this run from step {first} on (metrics.jsonl and "
+                      "tensorboard hold the new ones)", RuntimeWarning, stacklevel=3)
+    return run, first
+
+
 class MetricsLog:
     """Writes one JSON object per optimiser step. Only the main process should create one."""
 
@@ -43,10 +77,8 @@ class MetricsLog:
                  wandb_project: str, resume_step: int | None):
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
-        if resume_step is not None:
-            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step]
-        else:
-            kept = []
+        logged = read_metrics(self.path) if resume_step is not None else []
+        kept = [r for r in logged if r.get("step", 0) <= resume_step] if resume_step is not None else []
         fresh = self.path.with_name(".metrics.jsonl.tmp")  # a failed write (a full disk) leaves the old file whole
         with open(fresh, "w") as f:
             f.write("".join(json.dumps(r) + "\n" for r in kept))
@@ -60,14 +92,12 @@ class MetricsLog:
 
             # a resume drops the event files' points after its checkpoint, which the killed run had logged
             self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=None if resume_step is None else resume_step + 1)
-        self.wandb = None
+        self.wandb, self.wandb_from = None, 0
         if wandb:
             if importlib.util.find_spec("wandb") is None:
                 raise ConfigError("logging.wandb=true but wandb is not installed (pip install -e '.[wandb]')")
-            import wandb as wandb_module
-
-            self.wandb = wandb_module.init(project=wandb_project, dir=str(run_dir), config=config,
-                                           resume="allow")
+            last_step = max((r.get("step", 0) for r in logged), default=0)
+            self.wandb, self.wandb_from = start_wandb(run_dir, wandb_project, config, resume_step, last_step)
 
     def log(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
@@ -78,7 +108,7 @@ class MetricsLog:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
+        if self.wandb is not None and step >= self.wandb_from:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=step)
 
     def close(self) -> None:

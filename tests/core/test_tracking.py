@@ -131,3 +131,37 @@ def test_redraws_during_a_run_keep_to_their_share_of_the_wall_clock(tmp_path, mo
     during, final = calls[:-1], calls[-1]
     assert during == ([1, 2, 3, 4, 5, 6] if max_share == 1.0 else [1]), calls
     assert final == 6 and (tmp_path / "plots" / "reward_mean.png").is_file()
+
+
+def test_a_resume_continues_the_wandb_run_and_sends_no_step_twice(tmp_path, monkeypatch):
+    """``wandb.init(resume="allow")`` had no run id, so every resume started another wandb run. The id is kept in
+    the run directory and a resume continues that run. wandb drops a step below one it already has: a run killed
+    after step 4 and resumed from its checkpoint at step 2 sends steps 5 on to wandb (which keeps the killed run's
+    3 and 4), while metrics.jsonl gets the resumed 3 and 4. A fresh run starts a new wandb run."""
+    pytest.importorskip("wandb", reason="wandb is not installed (the dev extra installs it)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    first = MetricsLog(tmp_path, {}, tensorboard=False, wandb=True, wandb_project="t", resume_step=None)
+    run_id = first.wandb.id
+    for step in range(1, 5):
+        first.log({"step": step, "loss": float(step)})
+    first.close()
+    with pytest.warns(RuntimeWarning, match=r"steps 3-4 .* wandb run .*from step 5"):
+        resumed = MetricsLog(tmp_path, {}, tensorboard=False, wandb=True, wandb_project="t", resume_step=2)
+    sent, send = [], resumed.wandb.log
+    monkeypatch.setattr(resumed.wandb, "log", lambda row, step: sent.append(step) or send(row, step=step))
+    try:
+        assert resumed.wandb.id == run_id
+        for step in range(3, 7):
+            resumed.log({"step": step, "loss": -float(step)})
+        assert sent == [5, 6] and resumed.wandb.step == 6
+    finally:
+        resumed.close()
+    assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 2.0, -3.0, -4.0, -5.0, -6.0]
+    again = MetricsLog(tmp_path, {}, tensorboard=False, wandb=True, wandb_project="t", resume_step=6)
+    assert again.wandb.id == run_id  # nothing beyond the checkpoint: no warning, every new step is sent
+    again.close()
+    fresh = MetricsLog(tmp_path, {}, tensorboard=False, wandb=True, wandb_project="t", resume_step=None)
+    fresh.close()
+    assert fresh.wandb.id != run_id
+    assert {p.name.split("-")[3] for p in (tmp_path / "wandb").glob("offline-run-*")} == {run_id, fresh.wandb.id}
