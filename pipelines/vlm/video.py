@@ -218,11 +218,33 @@ def read_decord(path: Path, cfg: VLMVideoConfig) -> tuple[np.ndarray, float]:
     return np.asarray(batch.asnumpy() if hasattr(batch, "asnumpy") else batch, dtype=np.uint8), fps
 
 
+def tag_seconds(value: str | None) -> float:
+    """Seconds of a ``HH:MM:SS.fraction`` duration tag (Matroska's ``DURATION``); NaN when it is not one."""
+    parts = (value or "").split(":")
+    try:
+        hours, minutes, seconds = (float(p) for p in parts) if len(parts) == 3 else (math.nan,) * 3
+    except ValueError:
+        return math.nan
+    return hours * 3600 + minutes * 60 + seconds
+
+
+def pyav_duration(container, stream) -> float:
+    """Seconds of a PyAV video ``stream``: its own duration, or its ``DURATION`` tag (Matroska), or the
+    container's when the video is its only stream (another stream, such as longer audio, may set that); NaN when
+    none is known."""
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    tagged = tag_seconds(stream.metadata.get("DURATION"))
+    if not math.isnan(tagged) or len(container.streams) > 1 or not container.duration:
+        return tagged
+    return container.duration / 1_000_000  # AV_TIME_BASE units
+
+
 def read_pyav(path: Path, cfg: VLMVideoConfig) -> tuple[np.ndarray, float]:
     """Decode the sampled frames with PyAV: (T,H,W,3) uint8 at native resolution, and the sampled fps.
 
     The frame count comes from the stream header, or from counting packets when the header has none; the duration
-    from the stream, or else the container. When the
+    from :func:`pyav_duration`. When the
     stream then decodes to fewer frames than that, the frames are picked again over the frames that exist."""
     import av
 
@@ -238,8 +260,7 @@ def read_pyav(path: Path, cfg: VLMVideoConfig) -> tuple[np.ndarray, float]:
             stream = open_stream(container)
             rate = stream.average_rate or stream.guessed_rate
             native_fps = float(rate) if rate else 0.0
-            duration = float(stream.duration * stream.time_base) if stream.duration and stream.time_base else \
-                container.duration / av.time_base if container.duration else math.nan
+            duration = pyav_duration(container, stream)
             total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
         for _ in range(2):
             indices, fps = _frame_plan(path, total, native_fps, duration, cfg)

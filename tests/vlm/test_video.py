@@ -207,6 +207,32 @@ def test_a_container_with_an_absurd_frame_rate_samples_by_its_duration(tmp_path:
     assert frames[:, 0, 0, 0].tolist() == pytest.approx([14, 44, 74, 104, 134, 164], abs=6)  # frame i holds 2 i
 
 
+@pytest.mark.parametrize("backend", ["decord", "pyav"])
+def test_a_longer_audio_track_does_not_stretch_the_video(tmp_path: Path, backend: str):
+    """60 frames at 30 fps (2 s) beside 10 s of audio: the container lasts 10 s, the video 2 s (4 frames at 2 fps),
+    and its rate is right."""
+    import fractions
+
+    av = pytest.importorskip("av")
+    clip = tmp_path / "with_audio.mkv"
+    with av.open(str(clip), "w", format="matroska") as container:
+        stream = container.add_stream("libx264", rate=30)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        audio = container.add_stream("aac", rate=16000)
+        for i in range(60):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((64, 64, 3), 2 * i, np.uint8),
+                                                                   format="rgb24")))
+        container.mux(stream.encode())
+        for start in range(0, 10 * 16000, 1024):
+            samples = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            samples.sample_rate, samples.pts, samples.time_base = 16000, start, fractions.Fraction(1, 16000)
+            container.mux(audio.encode(samples))
+        container.mux(audio.encode())
+    frames, fps = decode_video(clip, cfg(backend=backend))
+    assert frames.shape[0] == 4 and fps == 2.0
+
+
 @pytest.mark.parametrize("backend", ["auto", "decord", "pyav"])
 def test_corrupt_and_missing_video(tmp_path: Path, backend: str):
     data = CLIPS[0].read_bytes()
