@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -530,6 +530,18 @@ def parse_override(key: str, value: str, schema: type) -> Any:
         raise ConfigError(f"bad value for '{key}': cannot parse '{value}' ({' '.join(str(err).split())})") from err
 
 
+def check_index(cfg: Any, key: str) -> None:
+    """Raise ConfigError when the dotted override ``key`` indexes past the end of a list of ``cfg`` (an OmegaConf
+    config): an override changes an item a list has, or sets the whole list."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[1:], start=1):
+        items = OmegaConf.select(cfg, ".".join(parts[:i]), throw_on_missing=False)
+        if part.isdigit() and isinstance(items, ListConfig) and int(part) >= len(items):
+            name = ".".join(parts[:i])
+            raise ConfigError(f"bad value for '{key}': '{name}' has {len(items)} item{'s' * (len(items) != 1)}; an "
+                              f"override changes an item the list has or sets the whole list ({name}=[...])")
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (), schema: type | None = None) -> Any:
     """Build the typed config object from a preset file and ``dotted.key=value`` overrides.
 
@@ -559,6 +571,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), schem
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(schema), raw)
         for key, value in parsed:
+            check_index(cfg, key)
             OmegaConf.update(cfg, key, value, merge=True)
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:

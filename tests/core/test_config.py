@@ -424,3 +424,19 @@ def test_a_wrong_typed_key_of_a_reward_item_names_the_item_and_the_key(tmp_path,
     with pytest.raises(ConfigError) as err:
         load_config(preset, [override] if override else [])
     assert re.match(message, str(err.value)) and "\n" not in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("override", "shown"), [
+    ("rewards.1.weight=2", "'rewards.1.weight': 'rewards' has 1 item"),
+    ("rewards.1={name: accuracy}", "'rewards.1': 'rewards' has 1 item"),
+    ("optim.betas.2=0.1", "'optim.betas.2': 'optim.betas' has 2 items"),
+    ("optim.betas.7.x=1", "'optim.betas.7.x': 'optim.betas' has 2 items"),
+])
+def test_an_override_past_the_end_of_a_list_says_how_long_the_list_is(tmp_path, override, shown):
+    """``rewards.1.weight=2`` on a preset with one reward said "Invalid type assigned: dict is not a subclass of
+    RewardSpec. value: {}"; every index past the end now says the same one line."""
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "rewards": [{"name": "format"}]})
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, [override])
+    assert str(err.value).startswith(f"bad value for {shown}; an override changes an item the list has or sets "
+                                     "the whole list"), str(err.value)
