@@ -53,8 +53,12 @@ def start_wandb(run_dir: Path, project: str, config: dict[str, Any], resume_step
 
     id_file = run_dir / WANDB_ID_FILE
     stored = id_file.read_text().strip() if resume_step is not None and id_file.is_file() else ""
-    run = wandb.init(project=project, dir=str(run_dir), config=config, id=stored or None,
-                     resume="allow" if stored else None)
+    try:
+        run = wandb.init(project=project, dir=str(run_dir), config=config, id=stored or None,
+                         resume="allow" if stored else None)
+    except wandb.errors.Error as err:  # no account, no network: one line, not wandb's traceback
+        raise ConfigError(f"logging.wandb=true but wandb did not start: {' '.join(str(err).split())} "
+                          f"(WANDB_MODE=offline logs to {run_dir / 'wandb'} without an account)") from err
     id_file.parent.mkdir(parents=True, exist_ok=True)
     fresh = id_file.with_name(".run_id.tmp")
     fresh.write_text(run.id + "\n")

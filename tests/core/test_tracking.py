@@ -165,3 +165,20 @@ def test_a_resume_continues_the_wandb_run_and_sends_no_step_twice(tmp_path, monk
     fresh.close()
     assert fresh.wandb.id != run_id
     assert {p.name.split("-")[3] for p in (tmp_path / "wandb").glob("offline-run-*")} == {run_id, fresh.wandb.id}
+
+
+def test_wandb_that_cannot_start_is_one_line_naming_the_key(tmp_path, monkeypatch, support_env):
+    """``logging.wandb=true`` without a wandb account ended ``mmgrpo train`` in a wandb UsageError traceback; it is
+    one config-error line (exit 2) that names the key and the offline mode."""
+    pytest.importorskip("wandb", reason="wandb is not installed (the dev extra installs it)")
+    env = {k: v for k, v in support_env.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path / "home"), WANDB_MODE="online", WANDB_SILENT="true")
+    preset = tmp_path / "p.yaml"
+    preset.write_text(f"pipeline: toy_bandit:PIPELINE\noutput_dir: {tmp_path / 'run'}\ntrain: {{max_steps: 1}}\n"
+                      "logging: {wandb: true, tensorboard: false, progress: false}\n")
+    done = subprocess.run([sys.executable, "-m", "mmgrpo", "train", str(preset)], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("config error: logging.wandb=true but wandb did not start: ") and "WANDB_MODE=offline" \
+        in last and "Traceback" not in done.stderr, done.stderr
