@@ -32,7 +32,9 @@ class VLMModelConfig:
     freeze_vision: bool = True
     """Keep the vision tower (and its merger) frozen."""
     attn_implementation: str = "sdpa"
-    """transformers attention: sdpa, flash_attention_2 or eager."""
+    """transformers attention kernel: sdpa, eager, flash_attention_2 (falls back to sdpa without CUDA and flash-attn),
+    or any other kernel transformers registers (flash_attention_3, flex_attention, ...; not with prefix_grouper,
+    which needs sdpa or eager)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
 
