@@ -70,7 +70,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mmgrpo.config import ConfigError, RewardSpec, _omegaconf_message, read_preset
+from mmgrpo.config import ConfigError, RewardSpec, _omegaconf_message, check_sections, read_preset
 
 from .base import RewardBatch
 from .clip_models import one_line
@@ -274,6 +274,7 @@ class ServerConfig:
 def load_server_config(path: str | os.PathLike) -> ServerConfig:
     """Read a reward server config (``base:`` inheritance works as for presets); ``ConfigError`` names the key."""
     raw = read_preset(path)
+    check_sections(raw, ServerConfig)  # names a reward item's key by its dotted path (rewards.1.weight)
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ServerConfig), raw))
     except OmegaConfBaseException as err:

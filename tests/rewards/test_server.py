@@ -430,6 +430,10 @@ def test_server_config_loading(tmp_path):
     bad.write_text("server: {prot: 1}\nrewards: [{name: sharpness}]\n")
     with pytest.raises(ConfigError, match="unknown key 'server.prot'"):
         load_server_config(bad)
+    typed = tmp_path / "typed.yaml"
+    typed.write_text("rewards: [{name: sharpness}, {name: sharpness, weight: abc}]\n")
+    with pytest.raises(ConfigError, match="bad value for 'rewards.1.weight'"):
+        load_server_config(typed)
     empty = tmp_path / "empty.yaml"
     empty.write_text("server: {port: 1}\n")
     with pytest.raises(ConfigError, match="missing required key 'rewards'"):
