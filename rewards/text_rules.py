@@ -42,8 +42,10 @@ def canonical_problem_type(name: str) -> str | None:
 
 def last_tagged_span(text: str, tag: str = "answer") -> tuple[int, int] | None:
     """(start, end) character offsets of the content of the last ``<tag>...</tag>`` block of ``text``, tags
-    excluded; None when there is none."""
-    found = list(re.finditer(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL))
+    excluded; None when there is none. A block holds no opening tag: in ``<tag>A <tag>B</tag>`` the block is
+    ``B``, the text after the last opening tag."""
+    t = re.escape(tag)
+    found = list(re.finditer(rf"<{t}>((?:(?!<{t}>).)*?)</{t}>", text, flags=re.DOTALL))
     return found[-1].span(1) if found else None
 
 

@@ -14,6 +14,8 @@ from mmgrpo.rewards import RewardBatch, build_reward, text_rules
 from mmgrpo.rewards.text_rules import (
     answer_diversity,
     canonical_problem_type,
+    last_tagged,
+    last_tagged_span,
     math_equal,
     normalize_choice,
     parse_interval,
@@ -303,3 +305,21 @@ def test_parse_interval_points():
 ])
 def test_parse_interval_reads_signs_and_leading_dot_decimals(text, expected):
     assert parse_interval(text) == expected
+
+
+# ---------------------------------------------------------------- answer extraction edge cases
+
+@pytest.mark.parametrize("text, inner", [
+    ("<answer>A <answer>B</answer>", "B"),  # a reopened tag: the last block is the innermost one
+    ("<answer>A</answer> then <answer>x <answer>C</answer>", "C"),
+    ("<answer>A</answer> and <answer>B", "A"),  # an unclosed last tag is no block
+])
+def test_last_tagged_never_holds_an_opening_tag(text, inner):
+    assert last_tagged(text) == inner
+    start, end = last_tagged_span(text)
+    assert text[start:end] == inner
+
+
+def test_nested_answer_tags_do_not_leak_into_the_scored_text():
+    meta = [{"problem_type": "OCR", "solution": "the cat sat"}]
+    assert score("accuracy", ["<answer>the dog <answer>the cat sat</answer>"], meta) == [1.0]
