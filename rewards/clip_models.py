@@ -289,6 +289,8 @@ class PickScore(ClipEmbeddingReward):
             self.model = CLIPModel.from_pretrained(model)
         except LOAD_ERRORS as err:
             raise RuntimeError(f"pickscore: cannot load the CLIPModel '{model}': {one_line(err)}") from None
+        # exp(logit_scale) read before the cast: ln 100 in bfloat16 is 4.594, which would scale scores by 98.86
+        self.logit_scale = float(self.model.logit_scale.detach().float().exp())
         self.model.eval().requires_grad_(False).to(self.device, self.dtype)
         self.tokenizer = self.processor.tokenizer
         self.max_length = min(int(self.tokenizer.model_max_length),
@@ -306,8 +308,9 @@ class PickScore(ClipEmbeddingReward):
 
     @torch.no_grad()
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
-        """(B,) float64 CPU scores, ``logit_scale.exp() * cos``."""
-        return (self.model.logit_scale.float().exp() * self.cosine(batch)).double().cpu()
+        """(B,) float64 CPU scores, ``logit_scale.exp() * cos`` (the scale taken from the checkpoint's own dtype,
+        not rounded to ``dtype``)."""
+        return (self.logit_scale * self.cosine(batch)).double().cpu()
 
 
 @REWARDS.register("hpsv2", kind="pointwise", modality="image",

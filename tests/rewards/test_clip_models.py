@@ -397,3 +397,19 @@ def test_bfloat16_weights_score_close_to_float32(name, rewards, tiny_models):
     assert half.dtype == torch.float64
     scale = 1.0 if name == "hpsv2" else float(low.model.logit_scale.float().exp())
     torch.testing.assert_close(half, full, atol=0.03 * scale, rtol=0)
+
+
+def test_pickscore_logit_scale_is_not_rounded_to_the_weights_dtype(tiny_models, tmp_path):
+    """PickScore's logit scale is exp(ln 100) = 100. Cast to bfloat16, ln 100 = 4.6052 rounds to 4.5938, so a bf16
+    model would scale every score by 98.86 (1.1% low); the reward keeps the float32 value the checkpoint holds."""
+    from transformers import CLIPModel
+
+    model = CLIPModel.from_pretrained(tiny_models.pick_model)
+    with torch.no_grad():
+        model.logit_scale.fill_(float(np.log(100.0)))
+    model.save_pretrained(tmp_path / "pick100")
+    args = {**reward_args("pickscore", tiny_models), "model": str(tmp_path / "pick100")}
+    batch = image_batch(random_images(4, seed=6), PROMPTS)
+    for dtype in ("float32", "bfloat16"):
+        reward = build_reward("pickscore", {**args, "dtype": dtype})
+        torch.testing.assert_close(reward(batch), 100.0 * reward.cosine(batch).double(), atol=1e-4, rtol=1e-5)
