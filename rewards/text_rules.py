@@ -71,17 +71,22 @@ def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer
 
 
 _CHOICE_RE = re.compile(r"\(?([A-Za-z])(\)?[.:]?)(\s.*)?", re.DOTALL)
+_CHOICE_LEAD = re.compile(r"(?:the\s+)?(?:correct\s+)?(?:option|answer|choice)(?:\s+is)?\b\s*:?\s*", re.IGNORECASE)
 
 
 def normalize_choice(text: str) -> str:
-    """The option letter of a multiple-choice answer: ``b``, ``B.``, ``(B)``, ``B) text``, ``B. text`` -> ``B``.
+    """The option letter of a multiple-choice answer: ``b``, ``B.``, ``(B)``, ``B) text``, ``B. text`` -> ``B``,
+    also after a lead-in ``Option``, ``Answer:``, ``Choice`` or ``The answer is`` (``Option (B)`` -> ``B``).
 
-    Text that does not start with a lone letter (``A cat``) is returned whitespace-collapsed, upper-cased, without
-    a trailing ``.`` or ``)``."""
+    Text that does not start with a lone letter (``A cat``, ``Option A or B``) is returned whitespace-collapsed,
+    upper-cased, without a trailing ``.`` or ``)``. Video-R1 compares the stripped answer exactly; this is
+    deliberately more lenient about how the letter is written, never about which letter."""
     text = text.strip()
-    m = _CHOICE_RE.fullmatch(text)
-    if m and (m.group(2) or not m.group(3)):
-        return m.group(1).upper()
+    lead = _CHOICE_LEAD.match(text)
+    for candidate in (text, text[lead.end():]) if lead else (text,):
+        m = _CHOICE_RE.fullmatch(candidate)
+        if m and (m.group(2) or not m.group(3)):
+            return m.group(1).upper()
     return " ".join(text.split()).rstrip(".)").upper()
 
 

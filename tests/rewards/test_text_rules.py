@@ -323,3 +323,12 @@ def test_last_tagged_never_holds_an_opening_tag(text, inner):
 def test_nested_answer_tags_do_not_leak_into_the_scored_text():
     meta = [{"problem_type": "OCR", "solution": "the cat sat"}]
     assert score("accuracy", ["<answer>the dog <answer>the cat sat</answer>"], meta) == [1.0]
+
+
+@pytest.mark.parametrize("text, letter", [
+    ("Option B", "B"), ("option (c)", "C"), ("Answer: B", "B"), ("The answer is (D).", "D"), ("Choice A. cat", "A"),
+    ("Option A or B", "OPTION A OR B"), ("Answers vary", "ANSWERS VARY"),  # not one letter: whole text
+])
+def test_normalize_choice_reads_a_labelled_letter(text, letter):
+    assert normalize_choice(text) == letter
+
