@@ -70,18 +70,53 @@ def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer
     return text
 
 
+_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
+_WRAPPER_RE = re.compile(r"\\(?:boxed|text|textbf|mathrm|mathbf)\s*\{")
+
+
+def _closing_brace(text: str, start: int) -> int:
+    """Index of the ``}`` that closes the ``{`` at ``text[start]``; -1 when it is not closed."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return -1
+
+
+def unwrap_answer(text: str) -> str:
+    """``text`` stripped of math delimiters (``$``, ``$$``, ``\\(``, ``\\[``) and of ``\\boxed{}``, ``\\text{}``
+    (``textbf``, ``mathrm``, ``mathbf``) that enclose all of it, braces balanced: ``$\\boxed{\\text{B}}$`` ->
+    ``B``, ``\\boxed{\\frac{1}{2}}`` -> ``\\frac{1}{2}``. Anything else (``\\boxed{1} or \\boxed{2}``,
+    ``$5``) is returned stripped."""
+    text = text.strip()
+    while True:
+        for left, right in _DELIMITERS:
+            inner = text[len(left):len(text) - len(right)]
+            if (len(text) > len(left) + len(right) and text.startswith(left) and text.endswith(right)
+                    and left not in inner and right not in inner):
+                text = inner.strip()
+                break
+        else:
+            m = _WRAPPER_RE.match(text)
+            if not (m and _closing_brace(text, m.end() - 1) == len(text) - 1):
+                return text
+            text = text[m.end():-1].strip()
+
+
 _CHOICE_RE = re.compile(r"\(?([A-Za-z])(\)?[.:]?)(\s.*)?", re.DOTALL)
 _CHOICE_LEAD = re.compile(r"(?:the\s+)?(?:correct\s+)?(?:option|answer|choice)(?:\s+is)?\b\s*:?\s*", re.IGNORECASE)
 
 
 def normalize_choice(text: str) -> str:
     """The option letter of a multiple-choice answer: ``b``, ``B.``, ``(B)``, ``B) text``, ``B. text`` -> ``B``,
-    also after a lead-in ``Option``, ``Answer:``, ``Choice`` or ``The answer is`` (``Option (B)`` -> ``B``).
+    also after a lead-in ``Option``, ``Answer:``, ``Choice`` or ``The answer is`` (``Option (B)`` -> ``B``) and
+    inside a wrapper (``\\boxed{B}``, see :func:`unwrap_answer`).
 
     Text that does not start with a lone letter (``A cat``, ``Option A or B``) is returned whitespace-collapsed,
     upper-cased, without a trailing ``.`` or ``)``. Video-R1 compares the stripped answer exactly; this is
     deliberately more lenient about how the letter is written, never about which letter."""
-    text = text.strip()
+    text = unwrap_answer(text)
     lead = _CHOICE_LEAD.match(text)
     for candidate in (text, text[lead.end():]) if lead else (text,):
         m = _CHOICE_RE.fullmatch(candidate)
@@ -264,7 +299,9 @@ class AccuracyReward(Reward):
       tokenizer keeps only ASCII letters and digits, so other scripts score 0);
     - regression: ``clip(1 - relative error, 0, 1)`` (:func:`score_regression`).
 
-    A missing or blank answer block scores 0. A missing ground truth raises ``ValueError``.
+    Both answers are first unwrapped from a ``\\boxed{}`` or ``$...$`` that encloses all of it
+    (:func:`unwrap_answer`), so ``\\boxed{3.004}`` rounds as ``3.004`` does. A missing or blank answer block scores
+    0 (so does a blank box). A missing ground truth raises ``ValueError``.
 
     Args:
         default_type: problem type for samples whose meta has no ``problem_type`` (EasyR1 data); None requires it.
@@ -307,8 +344,8 @@ class AccuracyReward(Reward):
             if rule is None:
                 scores.append(math.nan)
                 continue
-            gt = ground_truth(meta, row, "accuracy", self.answer_tag)
-            pred = last_tagged(text, self.answer_tag)
+            gt = unwrap_answer(ground_truth(meta, row, "accuracy", self.answer_tag))
+            pred = unwrap_answer(last_tagged(text, self.answer_tag) or "")
             scores.append(rule(pred, gt) if pred else 0.0)
         return torch.tensor(scores, dtype=torch.float64)
 

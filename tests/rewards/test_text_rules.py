@@ -20,6 +20,7 @@ from mmgrpo.rewards.text_rules import (
     normalize_choice,
     parse_interval,
     parse_number,
+    unwrap_answer,
 )
 
 
@@ -332,3 +333,30 @@ def test_nested_answer_tags_do_not_leak_into_the_scored_text():
 def test_normalize_choice_reads_a_labelled_letter(text, letter):
     assert normalize_choice(text) == letter
 
+
+@pytest.mark.parametrize("pred, expected", [
+    ("\\boxed{B}", 1.0), ("$\\boxed{\\text{B}}$", 1.0), ("\\boxed{C}", 0.0),
+    ("\\boxed{A} or \\boxed{B}", 0.0),  # two boxes are not one wrapped answer
+])
+def test_accuracy_multiple_choice_boxed(pred, expected):
+    assert acc(pred, "B", "multiple choice") == expected
+
+
+@pytest.mark.parametrize("pred, gt, problem_type, expected", [
+    ("\\boxed{8}", "10", "regression", 0.8), ("$8$", "10", "regression", 0.8),
+    ("\\boxed{3.004}", "3", "numerical", 1.0),  # rounds to 3.00 as the bare number does
+    ("\\boxed{\\frac{1}{2}}", "0.5", "numerical", 1.0),  # nested braces
+    ("\\boxed{the cat sat}", "the cat sat", "OCR", 1.0),
+])
+def test_accuracy_unwraps_a_boxed_answer(pred, gt, problem_type, expected):
+    assert acc(pred, gt, problem_type) == pytest.approx(expected)
+
+
+
+@pytest.mark.parametrize("text, inner", [
+    (" $\\boxed{\\frac{1}{2}}$ ", "\\frac{1}{2}"), ("\\( 5 \\)", "5"), ("$$\\text{B}$$", "B"), ("\\boxed {7}", "7"),
+    ("$5", "$5"), ("$5$ and $6$", "$5$ and $6$"), ("\\boxed{1} or \\boxed{2}", "\\boxed{1} or \\boxed{2}"),
+    ("\\boxed{5", "\\boxed{5"), ("\\boxed{}", ""),
+])
+def test_unwrap_answer(text, inner):
+    assert unwrap_answer(text) == inner
