@@ -16,6 +16,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jiwer
@@ -201,9 +202,32 @@ def math_equal(pred: str, gt: str) -> bool:
         return bool(json.loads(line))
 
 
-def score_multiple_choice(pred: str, gt: str) -> float:
-    """1.0 when the normalised option letters (see :func:`normalize_choice`) are equal."""
-    return float(normalize_choice(pred) == normalize_choice(gt))
+_OPTION_LABEL_RE = re.compile(r"\s*\(?([A-Za-z])\s*[.):]")
+
+
+def option_letters(options: Sequence[Any]) -> dict[str, str]:
+    """Each option's text, normalised as :func:`normalize_choice` does, -> its letter: ``["A. red", "B. blue"]``
+    -> ``{"RED": "A", "BLUE": "B"}``. Options that do not all carry a letter label are lettered A, B, C, ... in
+    order, as the vlm pipeline's prompt shows them; a text that normalises to a single character is left out (a
+    letter answer is read as a letter)."""
+    texts = [str(o) for o in options]
+    labelled = all(_OPTION_LABEL_RE.match(t) for t in texts)
+    letters = {}
+    for k, text in enumerate(texts[:26]):
+        m = _OPTION_LABEL_RE.match(text) if labelled else None
+        key = normalize_choice(text[m.end():] if m else text)
+        if len(key) > 1:
+            letters[key] = m.group(1).upper() if m else chr(ord("A") + k)
+    return letters
+
+
+def score_multiple_choice(pred: str, gt: str, options: Sequence[Any] = ()) -> float:
+    """1.0 when the normalised option letters (see :func:`normalize_choice`) are equal. With the question's
+    ``options``, an answer (or ground truth) that is the whole text of an option stands for its letter
+    (:func:`option_letters`), so ``blue`` is ``B`` for ``["A. red", "B. blue"]``."""
+    letters = option_letters(options)
+    p, g = normalize_choice(pred), normalize_choice(gt)
+    return float(letters.get(p, p) == letters.get(g, g))
 
 
 def entropy(labels: Sequence[str]) -> float:
@@ -292,7 +316,8 @@ class AccuracyReward(Reward):
 
     The rule follows ``meta["problem_type"]`` (Video-R1 types, aliases such as ``multiple_choice`` accepted):
 
-    - multiple choice: 1 when the option letters match (:func:`normalize_choice`);
+    - multiple choice: 1 when the option letters match (:func:`normalize_choice`); with ``meta["options"]``, an
+      option's whole text stands for its letter (:func:`score_multiple_choice`);
     - numerical: 1 when equal after rounding to 2 decimals, math-verify for expressions (:func:`score_numerical`);
     - OCR: ``max(0, 1 - WER)``;
     - free-form: mean of the ROUGE-1, ROUGE-2 and ROUGE-L F-measures (rouge-score, Porter stemming; its
@@ -334,8 +359,11 @@ class AccuracyReward(Reward):
                 return None
             raise ValueError(f"accuracy: unknown problem_type {raw!r} (sample {row}); valid: "
                              f"{', '.join(PROBLEM_TYPES)}, or set unknown_type='nan'")
-        return {"multiple choice": score_multiple_choice, "numerical": score_numerical, "OCR": score_ocr,
-                "free-form": self.score_free_form, "regression": score_regression}[kind]
+        if kind == "multiple choice":
+            options = meta.get("options")
+            return partial(score_multiple_choice, options=options if isinstance(options, (list, tuple)) else ())
+        return {"numerical": score_numerical, "OCR": score_ocr, "free-form": self.score_free_form,
+                "regression": score_regression}[kind]
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         scores = []

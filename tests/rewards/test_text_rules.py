@@ -360,3 +360,20 @@ def test_accuracy_unwraps_a_boxed_answer(pred, gt, problem_type, expected):
 ])
 def test_unwrap_answer(text, inner):
     assert unwrap_answer(text) == inner
+
+
+@pytest.mark.parametrize("options", [["A. red ball", "B. blue cube", "C. green cone"],
+                                     ["red ball", "blue cube", "green cone"]])  # labelled A, B, C in order
+@pytest.mark.parametrize("pred, gt, expected", [
+    ("blue cube", "B", 1.0), ("Blue cube.", "B", 1.0), ("red ball", "B", 0.0), ("B", "blue cube", 1.0),
+    ("a blue cube", "B", 0.0),  # not an option's text
+])
+def test_accuracy_multiple_choice_reads_option_text(options, pred, gt, expected):
+    out = score("accuracy", [f"<answer>{pred}</answer>"],
+                [{"problem_type": "multiple choice", "solution": gt, "options": options}])
+    assert out == [expected]
+
+
+def test_a_letter_wins_over_an_option_whose_text_is_a_letter():
+    meta = [{"problem_type": "multiple choice", "solution": "A", "options": ["B", "A"]}]
+    assert score("accuracy", ["<answer>A</answer>", "<answer>B</answer>"], meta * 2) == [1.0, 0.0]
