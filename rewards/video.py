@@ -1,7 +1,7 @@
 """Video rewards: ``video_frames`` (any image reward over sampled frames), ``temporal_consistency`` and
 ``motion`` (its counterpart: how much the frames change).
 
-Both take ``batch.videos`` (B, T, C, H, W) in [0, 1] (C = 3, or grayscale / RGBA, see :mod:`.checks`) and sample
+All three take ``batch.videos`` (B, T, C, H, W) in [0, 1] (C = 3, or grayscale / RGBA, see :mod:`.checks`) and sample
 ``frames`` evenly spaced frames per video (first and last included; one frame = the middle one; None = all).
 A VideoAlign-style judge comes through the VLM judge rewards, not here.
 """
@@ -131,6 +131,11 @@ class TemporalConsistency(Reward):
     """Mean cosine similarity of the CLIP image embeddings of adjacent sampled frames, in [-1, 1]: 1 for a static
     video, lower as content changes (real CLIP embeddings of natural frames rarely go below 0.5). NaN for a video
     with fewer than 2 frames. Ignores the prompt. Rewards stillness: pair it with ``motion`` or a quality reward.
+
+    Not VBench's ``background_consistency`` (Vchitect/VBench ``vbench/background_consistency.py``), which uses the
+    same model (OpenAI CLIP ViT-B/32) on all frames but scores each frame i >= 1 by
+    ``(max(0, cos(f[i-1], f[i])) + max(0, cos(f[0], f[i]))) / 2``: its first-frame term also penalises slow drift,
+    which adjacent pairs alone barely see. The two agree only for a static video (1), so do not compare the values.
 
     Args:
         model_name: open_clip architecture, ``hf-hub:``/``local-dir:`` source, or a model-config JSON path.
