@@ -127,8 +127,11 @@ def normalize_choice(text: str) -> str:
 
 
 def parse_number(text: str) -> float | None:
-    """A finite float from ``text`` (``3``, ``3.0``, ``-2.5``, ``1,000``, ``1e3``); None if it is not one."""
-    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.strip())
+    """A finite float from ``text`` (``3``, ``3.0``, ``-2.5`` or ``\u22122.5`` with the Unicode minus, ``1,000``,
+    ``1e3``); None if it is not one (also for Python's ``1_000``)."""
+    s = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", text.strip().replace("\u2212", "-"))
+    if "_" in s:
+        return None
     try:
         value = float(s)
     except ValueError:

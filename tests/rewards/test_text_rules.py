@@ -377,3 +377,12 @@ def test_accuracy_multiple_choice_reads_option_text(options, pred, gt, expected)
 def test_a_letter_wins_over_an_option_whose_text_is_a_letter():
     meta = [{"problem_type": "multiple choice", "solution": "A", "options": ["B", "A"]}]
     assert score("accuracy", ["<answer>A</answer>", "<answer>B</answer>"], meta * 2) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("text, value", [("\u22122.5", -2.5), ("\u22121,000", -1000.0), ("1_000", None), ("1_0", None)])
+def test_parse_number_reads_the_unicode_minus_and_no_underscores(text, value):
+    assert parse_number(text) == value
+
+
+def test_regression_with_a_unicode_minus_ground_truth():
+    assert acc("-8", "\u221210", "regression") == pytest.approx(0.8)
