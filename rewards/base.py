@@ -165,7 +165,9 @@ def as_scores(output: Any, n: int, name: str) -> dict[str, torch.Tensor]:
 
     A single score vector becomes ``{name: scores}``; a dict becomes ``{name/key: scores}``. Anything else (not
     numbers, the wrong count, an infinite score) is a one-line ``ValueError`` naming the reward: NaN means "does not
-    apply", but an infinite score has no meaning and would turn the advantages into NaN."""
+    apply", but an infinite score has no meaning and would turn the advantages into NaN. An empty dict is one too."""
+    if isinstance(output, dict) and not output:
+        raise ValueError(f"reward '{name}' returned an empty dict, not scores (one per sample, or named sub-scores)")
     items = output.items() if isinstance(output, dict) else [(None, output)]
     scores = {}
     for key, value in items:

@@ -65,6 +65,10 @@ def infinite(batch):
 
 def words(batch):
     return ["good", "bad"]
+
+
+def no_scores(batch):
+    return {}
 '''
 
 
@@ -150,6 +154,7 @@ def test_nan_passes_through(user_module):
     ("wrong_length", "returned 3 scores for a batch of 2"),
     ("infinite", r"returned an infinite score for 1 of 2 samples \(return NaN"),
     ("words", "returned list, not numbers"),
+    ("no_scores", r"returned an empty dict, not scores"),
 ])
 def test_malformed_output_is_a_one_line_reward_error(user_module, fn, message):
     with pytest.raises(RewardError, match=f"^reward '{user_module}:{fn}' {message}") as err:
