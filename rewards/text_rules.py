@@ -56,11 +56,18 @@ def last_tagged(text: str, tag: str = "answer") -> str | None:
     return text[span[0]:span[1]].strip() if span is not None else None
 
 
+def raw_ground_truth(meta: dict[str, Any]) -> Any:
+    """``meta["solution"]`` (Video-R1), else ``meta["answer"]`` (EasyR1), as given; a None solution counts as
+    missing (a dataset with both columns holds None where a row has only the other)."""
+    value = meta.get("solution")
+    return meta.get("answer") if value is None else value
+
+
 def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer") -> str:
-    """``meta["solution"]`` (Video-R1) or ``meta["answer"]`` (EasyR1) as text, unwrapped from ``<tag>`` if wrapped.
+    """:func:`raw_ground_truth` as text, unwrapped from ``<tag>`` if wrapped.
 
     A missing or blank ground truth is a data error and raises ``ValueError``."""
-    value = meta.get("solution", meta.get("answer"))
+    value = raw_ground_truth(meta)
     if value is None:
         raise ValueError(f"reward '{reward}': sample {row} has no 'solution' or 'answer' in its meta")
     text = str(value)
@@ -497,7 +504,7 @@ class TemporalIoU(Reward):
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         scores = []
         for row, (text, meta) in enumerate(zip(completions_or_raise(batch, "temporal_iou"), batch.meta)):
-            raw = meta.get("solution", meta.get("answer"))
+            raw = raw_ground_truth(meta)
             gt = parse_interval(raw if isinstance(raw, (list, tuple)) else
                                 ground_truth(meta, row, "temporal_iou", self.answer_tag))
             if gt is None:

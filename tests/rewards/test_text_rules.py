@@ -386,3 +386,10 @@ def test_parse_number_reads_the_unicode_minus_and_no_underscores(text, value):
 
 def test_regression_with_a_unicode_minus_ground_truth():
     assert acc("-8", "\u221210", "regression") == pytest.approx(0.8)
+
+
+def test_a_null_solution_falls_back_to_the_answer_column():
+    """A dataset with both columns holds None where a row has only one of them (datasets fills the gaps)."""
+    meta = [{"problem_type": "numerical", "solution": None, "answer": "7"}]
+    assert score("accuracy", ["<answer>7</answer>"], meta) == [1.0]
+    assert score("temporal_iou", ["<answer>[4, 8]</answer>"], [{"solution": None, "answer": [4, 8]}]) == [1.0]
