@@ -259,7 +259,9 @@ def answer_diversity(completions: Sequence[str], solutions: Sequence[str]) -> fl
 
 
 def score_numerical(pred: str, gt: str) -> float:
-    """1.0 when both numbers agree after rounding to 2 decimals; math-verify decides when either is not a number."""
+    """1.0 when both numbers agree after rounding to 2 decimals; math-verify decides when either is not a number.
+
+    Unlike Video-R1, which scores 0 when only one of the two holds a ``.`` or ``,``, ``3.0`` equals ``3``."""
     p, g = parse_number(pred), parse_number(gt)
     if p is not None and g is not None:
         return float(round(p, 2) == round(g, 2))
@@ -273,7 +275,8 @@ def score_ocr(pred: str, gt: str) -> float:
 
 def score_regression(pred: str, gt: str) -> float:
     """``clip(1 - |pred - gt| / |gt|, 0, 1)``. With ``gt == 0`` the relative error is undefined: 1.0 only for
-    ``pred == 0``. An unparsable prediction scores 0; an unparsable ground truth raises ``ValueError``."""
+    ``pred == 0`` (Video-R1's ``+ 1e-9`` terms give 0 even then). An unparsable prediction scores 0; an unparsable
+    ground truth raises ``ValueError``."""
     g = parse_number(gt)
     if g is None:
         raise ValueError(f"regression ground truth {gt!r} is not a number")
@@ -293,7 +296,9 @@ class FormatReward(Reward):
     With ``require_think``, the whole completion (surrounding whitespace allowed) must be one think block followed
     by one answer block. Without, it must end with one answer block; the text before it is free (plain reasoning or
     a think block) but may hold no answer tag. In both cases the answer must not be blank and no block may contain
-    a think or answer tag.
+    a think or answer tag. This is stricter than Video-R1's ``<think>.*?</think>\\s*<answer>.*?</answer>``, whose
+    lazy dots still span tags (``...<answer>A</answer><answer>B</answer>`` matches) and which pays for a blank
+    answer; it also allows surrounding whitespace, which Video-R1 does not.
 
     Args:
         think_tag: name of the reasoning tag (``"think"`` -> ``<think>...</think>``).
