@@ -165,6 +165,10 @@ class Trainer:
         """Wall-clock seconds spent in training iterations, summed over resumes (``train.max_minutes``)."""
         self._replan_mark = 0
         """The last ``REPLAN_EVERY`` mark of the time budget at which the lr schedule was fitted to it."""
+        self.rollout_is_collective = acc.num_processes > 1 and sharded_parameters(acc)
+        """Whether every rollout forward gathers sharded weights from all processes (FSDP, ZeRO-3)."""
+        self.failure_agreed = False
+        """Whether every process stopped at the same RunError of a rollout or reward (:meth:`_stop_together`)."""
         self.interrupted: str | None = None
         """The signal (SIGINT, SIGTERM) that ended :meth:`train` early, after saving a checkpoint; None otherwise."""
 
@@ -328,6 +332,56 @@ class Trainer:
         unit_adv = self.policy.unit_advantages(rollout, local_adv, combined[lo:lo + n])
         return unit_adv.float(), stats
 
+    def _sample_and_score(self, items_idx: list[int], group_ids: list[int], round_index: int = 0
+                          ) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], float]:
+        """Roll out the training items ``items_idx`` (round 0: the iteration's rollout, else refill round
+        ``round_index``) and score them: (rollout, (N, R) main scores, logged scores, ``time.perf_counter()`` when
+        the rollout ended). Collective: a RunError of the rollout or the rewards on any process is raised on every
+        process, through :meth:`_stop_together`, before any other collective (see :meth:`_holding`)."""
+        cfg, acc = self.cfg, self.accelerator
+        items = [self.train_items[i] for i in items_idx]
+        held: list[RunError] = []
+        with self._holding(held, others_wait=self.rollout_is_collective), torch.no_grad(), acc.autocast():
+            if round_index:
+                rollout = self.policy.refill_rollout(items, group_ids, cfg.train.group_size, round_index)
+            else:
+                rollout = self.policy.rollout(items, group_ids, cfg.train.group_size)
+        done = time.perf_counter()
+        if not held:
+            with self._holding(held):
+                main, logged, _ = self.rewards(rollout.reward_batch)
+        self._stop_together(held)
+        return rollout, main, logged, done
+
+    @contextmanager
+    def _holding(self, held: list[RunError], others_wait: bool = False) -> Iterator[None]:
+        """Append a RunError raised in the block to ``held`` instead of raising it, for :meth:`_stop_together` to
+        raise on every process. A process that raised runs none of the block's collectives, so this holds only
+        where the other processes run none either: rewards (scored per process), and the rollouts of DDP and
+        one-process runs (the vlm pipeline raises for bad data before it samples). With ``others_wait`` (a rollout
+        with sharded parameters, whose forwards gather the weights from every process) the error is raised at
+        once: the others wait in a gather until the launcher ends them, and the run stops without saving."""
+        try:
+            yield
+        except RunError as err:
+            if others_wait:
+                raise
+            held.append(err)
+
+    def _stop_together(self, held: list[RunError]) -> None:
+        """Raise on every process when any holds a RunError (``held``, from :meth:`_holding`): its own, or on the
+        others a RunError naming the first process that failed and its message; then ``failure_agreed`` is set,
+        and the trainer may save (collective). Collective: call it at the same point on every process."""
+        if not self._on_any_process(bool(held)):
+            return
+        own = str(held[0]) if held else None
+        messages = gather_object([own]) if self.accelerator.num_processes > 1 else [own]
+        self.failure_agreed = True
+        if held:
+            raise held[0]
+        rank, message = next((i, m) for i, m in enumerate(messages) if m is not None)
+        raise RunError(f"process {rank} stopped the run: {message}")
+
     def _signal_rows(self, main: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
         """(N,) bool: the sample's group carries a signal (:func:`no_signal_groups` of the (N, R) rewards)."""
         return ~no_signal_groups(main, self.rewards.weights, group.to(main.device), self.cfg.reward_aggregation)
@@ -357,10 +411,7 @@ class Trainer:
             if missing <= 0:
                 break
             items_idx, group_ids = self.sampler.next(missing * acc.num_processes)
-            with torch.no_grad(), acc.autocast():
-                extra = self.policy.refill_rollout([self.train_items[i] for i in items_idx], group_ids,
-                                                   cfg.train.group_size, rounds + 1)
-            extra_main, extra_logged, _ = self.rewards(extra.reward_batch)
+            extra, extra_main, extra_logged, _ = self._sample_and_score(items_idx, group_ids, rounds + 1)
             rollouts.append(extra)
             mains.append(extra_main)
             loggeds.append(extra_logged)
@@ -725,11 +776,7 @@ class Trainer:
                 sampler_state = self.sampler.state_dict()
                 try:
                     items_idx, group_ids = self.sampler.next()
-                    items = [self.train_items[i] for i in items_idx]
-                    with torch.no_grad(), acc.autocast():
-                        rollout = self.policy.rollout(items, group_ids, cfg.train.group_size)
-                    t1 = time.perf_counter()
-                    main, logged, _ = self.rewards(rollout.reward_batch)
+                    rollout, main, logged, t1 = self._sample_and_score(items_idx, group_ids)
                     t2 = time.perf_counter()
                     iteration_metrics = {"time/rollout_s": t1 - t0, "time/reward_s": t2 - t1}
                     if cfg.grpo.refill_rounds or cfg.grpo.oversample_prompts:  # more rounds, timed apart
@@ -739,9 +786,9 @@ class Trainer:
                         t2 = time.perf_counter()
                 except RunError:
                     # a reward server gone, bad data under on_bad_media=error: nothing of this step is trained
-                    # yet, so keep the steps since the last checkpoint (one process: several could be apart, and
-                    # saving is collective), the failed step's prompts first again on resume
-                    if acc.num_processes == 1 and last_saved != self.step and self.step > 0:
+                    # yet, so keep the steps since the last checkpoint, the failed step's prompts first again on
+                    # resume; saving is collective: only when every process stopped here (_stop_together)
+                    if self.failure_agreed and last_saved != self.step and self.step > 0:
                         self.sampler.load_state_dict(sampler_state)
                         self.save_checkpoint()
                         acc.print(f"saved step {self.step} before stopping: resume=latest continues from there")

@@ -665,3 +665,21 @@ def test_logged_means_are_over_the_samples_and_units_of_every_process(tmp_path, 
     for key in ("ratio/mean", "clip_frac", "kl"):
         assert [m[key] for m in rank0] == [m[key] for m in rank1], key
     assert result["max_dev"] == 0.5  # a process that measured nothing (NaN) does not hide the others' maximum
+
+
+def test_a_failure_on_one_process_saves_once_on_every_process_and_stops_them_together(launch_two_processes, tmp_path):
+    """A RunError before a step trains saved the steps since the last checkpoint in one-process runs only: with two
+    processes the one that failed left the others waiting in a collective (or pairing with a different one). Now
+    the processes agree on the failure at the step boundary (and at each refill round), save once, and all raise."""
+    result = launch_two_processes("failure_save_check.py", tmp_path / "runs")
+    reward = result["reward"]  # rank 1's reward fails in the 4th rollout
+    assert reward["checkpoints"] == ["step-3"] and reward["steps"] == [1, 2, 3] and reward["step"] == [3, 3]
+    own, other = reward["raised"][1], reward["raised"][0]
+    assert "the reward server is gone (rank 1)" in own
+    assert other.startswith("process 1 stopped the run: ") and "the reward server is gone (rank 1)" in other
+    assert result["resumed"]["steps"] == [1, 2, 3, 4, 5, 6] and result["resumed"]["raised"] == [None, None]
+    refill = result["refill"]  # rank 0 fails in a refill round of the 2nd iteration
+    assert refill["checkpoints"] == ["step-1"] and refill["step"] == [1, 1], refill
+    assert "(rank 0)" in refill["raised"][0] and refill["raised"][1].startswith("process 0 stopped the run")
+    both = result["both"]
+    assert both["checkpoints"] == ["step-2"] and all(f"(rank {r})" in both["raised"][r] for r in (0, 1)), both
