@@ -23,6 +23,7 @@ from .image_rules import in_chunks, luminance
 from .preprocess import ClipPreprocess
 
 REDUCTIONS = ("mean", "min")
+CONSISTENCY_FORMULAS = ("adjacent", "vbench")
 
 
 def sample_frame_indices(num_frames: int, frames: int | None) -> torch.Tensor:
@@ -132,10 +133,11 @@ class TemporalConsistency(Reward):
     video, lower as content changes (real CLIP embeddings of natural frames rarely go below 0.5). NaN for a video
     with fewer than 2 frames. Ignores the prompt. Rewards stillness: pair it with ``motion`` or a quality reward.
 
-    Not VBench's ``background_consistency`` (Vchitect/VBench ``vbench/background_consistency.py``), which uses the
-    same model (OpenAI CLIP ViT-B/32) on all frames but scores each frame i >= 1 by
-    ``(max(0, cos(f[i-1], f[i])) + max(0, cos(f[0], f[i]))) / 2``: its first-frame term also penalises slow drift,
-    which adjacent pairs alone barely see. The two agree only for a static video (1), so do not compare the values.
+    ``formula="vbench"`` gives VBench's ``background_consistency`` per video instead (Vchitect/VBench
+    ``vbench/background_consistency.py``, same model, OpenAI CLIP ViT-B/32, on all frames with ``frames=None``): each
+    frame i >= 1 scores ``(max(0, cos(f[i-1], f[i])) + max(0, cos(f[0], f[i]))) / 2``, in [0, 1]; its first-frame
+    term also penalises slow drift, which adjacent pairs alone barely see. The two agree only for a static video
+    (1), so compare values of one formula only (see :func:`frame_consistency`).
 
     Args:
         model_name: open_clip architecture, ``hf-hub:``/``local-dir:`` source, or a model-config JSON path.
@@ -146,6 +148,7 @@ class TemporalConsistency(Reward):
         dtype: model weights' dtype: ``float32``, ``float16`` or ``bfloat16`` (similarities in float32).
         batch_size: frames per forward pass (and per copy to ``device``), which bounds the memory of a batch of
             long videos.
+        formula: ``adjacent`` (mean adjacent-frame cosine) or ``vbench`` (VBench's background consistency).
     """
 
     kind = POINTWISE
@@ -153,9 +156,12 @@ class TemporalConsistency(Reward):
 
     def __init__(self, model_name: str = "ViT-B-32", pretrained: str | None = "openai", frames: int | None = 16,
                  quick_gelu: bool | None = None, device: str | None = None, dtype: str = "float32",
-                 batch_size: int = 32):
+                 batch_size: int = 32, formula: str = "adjacent"):
         if batch_size < 1:
             raise ValueError(f"temporal_consistency: batch_size must be >= 1; got {batch_size}")
+        if formula not in CONSISTENCY_FORMULAS:
+            raise ValueError(f"temporal_consistency: formula must be one of {CONSISTENCY_FORMULAS}; got {formula!r}")
+        self.formula = formula
         if frames is not None and frames < 2:
             raise ValueError(f"temporal_consistency: frames must be >= 2 (or None for all); got {frames}")
         self.batch_size = int(batch_size)
@@ -173,7 +179,8 @@ class TemporalConsistency(Reward):
 
     @torch.no_grad()
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
-        """(B,) float64 CPU mean adjacent-frame cosine in [-1, 1]; NaN for single-frame videos."""
+        """(B,) float64 CPU :func:`frame_consistency` of each video's sampled frames; NaN for single-frame
+        videos."""
         videos = videos_or_raise(batch, "temporal_consistency")
         b, t = videos.shape[:2]
         index = sample_frame_indices(t, self.frames)
@@ -183,8 +190,18 @@ class TemporalConsistency(Reward):
         frames = videos[:, index.to(videos.device)].reshape(b * n, *videos.shape[2:])
         feats = encode_in_slices(self.model.encode_image, self.preprocess, frames, self.batch_size, self.device,
                                  self.dtype)
-        feats = F.normalize(feats.float(), dim=-1).view(b, n, -1)
-        return (feats[:, 1:] * feats[:, :-1]).sum(-1).mean(1).double().cpu()
+        return frame_consistency(feats.float().view(b, n, -1), self.formula).double().cpu()
+
+
+def frame_consistency(feats: torch.Tensor, formula: str) -> torch.Tensor:
+    """(B,) consistency of (B, F >= 2, D) frame embeddings: ``adjacent``: mean over i >= 1 of cos(f[i-1], f[i]), in
+    [-1, 1]; ``vbench``: mean over i >= 1 of (max(0, cos(f[i-1], f[i])) + max(0, cos(f[0], f[i]))) / 2, in [0, 1]."""
+    feats = F.normalize(feats, dim=-1)
+    previous = (feats[:, 1:] * feats[:, :-1]).sum(-1)
+    if formula == "adjacent":
+        return previous.mean(1)
+    first = (feats[:, 1:] * feats[:, :1]).sum(-1)
+    return ((previous.clamp_min(0) + first.clamp_min(0)) / 2).mean(1)
 
 
 def frame_differences(videos: torch.Tensor, max_side: int, ignore_brightness: bool = False) -> torch.Tensor:

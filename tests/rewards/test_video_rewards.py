@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from mmgrpo.registry import REWARDS
 from mmgrpo.rewards import FunctionReward, RewardBatch, build_reward
 from mmgrpo.rewards.preprocess import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from mmgrpo.rewards.video import frame_differences, sample_frame_indices
+from mmgrpo.rewards.video import frame_consistency, frame_differences, sample_frame_indices
 
 PROMPTS = ["a red cube spinning", "waves on a beach", "a cat jumps"]
 
@@ -277,3 +277,24 @@ def test_motion_checks_its_inputs():
         build_reward("motion", {"max_side": 0})
     with pytest.raises(ValueError, match="motion: saturate_at must be > 0"):
         build_reward("motion", {"saturate_at": 0})
+
+
+def test_frame_consistency_formulas_against_their_closed_forms():
+    """Unit embeddings at angles 0, 60, 120 degrees: adjacent pairs have cos 1/2 each; VBench's score of frame 1 is
+    (1/2 + 1/2) / 2 and of frame 2 (1/2 + max(0, -1/2)) / 2, so its mean is (1/2 + 1/4) / 2."""
+    angles = torch.tensor([0.0, 60.0, 120.0]).deg2rad()
+    feats = torch.stack([angles.cos(), angles.sin()], -1)[None] * torch.tensor([1.0, 3.0, 0.5])[None, :, None]
+    torch.testing.assert_close(frame_consistency(feats, "adjacent"), torch.tensor([0.5]))
+    torch.testing.assert_close(frame_consistency(feats, "vbench"), torch.tensor([0.375]))
+    static = torch.ones(2, 4, 8)
+    for formula in ("adjacent", "vbench"):
+        torch.testing.assert_close(frame_consistency(static, formula), torch.ones(2))
+
+
+def test_temporal_consistency_vbench_formula_through_the_reward(tiny_models):
+    batch = RewardBatch(prompts=["a"], group=torch.zeros(1, dtype=torch.long), videos=torch.rand(1, 5, 3, 32, 32))
+    adjacent = build_reward("temporal_consistency", {**clip_args(tiny_models), "frames": None})(batch)
+    vbench = build_reward("temporal_consistency", {**clip_args(tiny_models), "frames": None, "formula": "vbench"})(batch)
+    assert 0.0 <= vbench.item() <= 1.0 and vbench.item() != adjacent.item()
+    with pytest.raises(ValueError, match="temporal_consistency: formula must be one of"):
+        build_reward("temporal_consistency", {**clip_args(tiny_models), "formula": "vbnech"})
