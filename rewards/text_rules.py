@@ -1,7 +1,8 @@
 """Rule-based rewards for text completions of reasoning VLMs: format, accuracy by problem type, length, temporal IoU.
 
-Answers are read only from the last ``<answer>...</answer>`` block. A completion without one, or with a blank one,
-scores 0: matching the ground truth anywhere in the text would pay out for empty or hedging answers.
+Answers are read only from the last ``<answer>...</answer>`` block (Video-R1 reads the first; the last is the
+model's final word after a revision). A completion without one, or with a blank one, scores 0: matching the ground
+truth anywhere in the text would pay out for empty or hedging answers.
 """
 
 from __future__ import annotations
