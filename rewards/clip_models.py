@@ -146,8 +146,11 @@ class TextEmbeddingCache:
 def encode_in_slices(encode: Callable[[torch.Tensor], torch.Tensor], preprocess: ClipPreprocess,
                      pixels: torch.Tensor, batch_size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """(B, D) embeddings of (B, 3, H, W) [0, 1] ``pixels``: ``batch_size`` images per forward, each slice moved to
-    ``device`` just before it, so a batch of full-resolution images or video frames never sits there at once."""
-    return torch.cat([encode(preprocess(chunk.to(device, non_blocking=True), dtype))
+    ``device`` just before it, so a batch of full-resolution images or video frames never sits there at once. The
+    copy is asynchronous only into a CUDA device (stream-ordered there; into host memory the CPU could read the slice
+    before it arrives)."""
+    asynchronous = torch.device(device).type == "cuda"
+    return torch.cat([encode(preprocess(chunk.to(device, non_blocking=asynchronous), dtype))
                       for chunk in pixels.split(batch_size)])
 
 
