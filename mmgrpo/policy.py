@@ -153,6 +153,11 @@ class Policy(ABC):
     def load_training_state(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`training_state` returned."""
 
+    def restart_training_state(self) -> None:
+        """Called instead of :meth:`load_training_state` when a checkpoint holds no training state (its run kept
+        none: GRPO-CARE turned on at this resume), once its weights are restored: start the state from them (an
+        EMA reference: from the restored weights). The default keeps the state as built."""
+
     @property
     def is_main_process(self) -> bool:
         acc = getattr(self, "accelerator", None)

@@ -192,7 +192,8 @@ class Trainer:
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         """Load what :meth:`_save_hook` saved. An EMA that the checkpoint's run did not keep (``train.ema_decay``
-        turned on at this resume) starts from the restored weights."""
+        turned on at this resume) starts from the restored weights, and so does a policy's training state
+        (:meth:`Policy.restart_training_state`: GRPO-CARE's reference turned on at this resume)."""
         self.policy.load(Path(input_dir) / "policy")
         ema_file = Path(input_dir) / "ema.safetensors"
         if self.ema is not None and ema_file.is_file():
@@ -201,8 +202,14 @@ class Trainer:
             self.ema.restart()
             self.accelerator.print(f"{input_dir} holds no EMA weights: the EMA (train.ema_decay) starts from its "
                                    "weights")
+        state_file = Path(input_dir) / POLICY_STATE_FILE
         if self.policy.training_state():
-            self.policy.load_training_state(load_file(str(Path(input_dir) / POLICY_STATE_FILE)))
+            if state_file.is_file():
+                self.policy.load_training_state(load_file(str(state_file)))
+            else:
+                self.policy.restart_training_state()
+                self.accelerator.print(f"{input_dir} holds no {POLICY_STATE_FILE} (its run kept no policy state, "
+                                       "such as GRPO-CARE's reference): that state starts afresh")
         models.clear()
 
     def save_checkpoint(self) -> Path:

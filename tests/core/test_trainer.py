@@ -683,3 +683,35 @@ def test_a_failure_on_one_process_saves_once_on_every_process_and_stops_them_tog
     assert "(rank 0)" in refill["raised"][0] and refill["raised"][1].startswith("process 0 stopped the run")
     both = result["both"]
     assert both["checkpoints"] == ["step-2"] and all(f"(rank {r})" in both["raised"][r] for r in (0, 1)), both
+
+
+def test_a_policy_state_turned_on_at_a_resume_starts_from_the_restored_weights(tmp_path):
+    """A policy with training state (GRPO-CARE's reference) resumed from a checkpoint of a run without it (care.enabled
+    turned on at the resume) failed with 'checkpoint cannot be read', pointing at a sound checkpoint; the policy now
+    restarts its state (Policy.restart_training_state) once the weights are restored."""
+    from toy_bandit import ToyPolicy
+
+    from mmgrpo.ema import EMA
+
+    class WithReference(ToyPolicy):
+        def __init__(self, cfg):
+            super().__init__(cfg)
+            self.reference_ema = EMA(list(self.model.named_parameters()), 0.9)
+
+        def training_state(self):
+            return self.reference_ema.state_dict()
+
+        def load_training_state(self, state):
+            self.reference_ema.load_state_dict(state)
+
+        def restart_training_state(self):
+            self.reference_ema.restart()
+
+    Trainer(toy(tmp_path, "train.max_steps=2", "optim.lr=0.1")).train()
+    restored = load_file(str(tmp_path / "checkpoints" / "step-2" / "policy" / "model.safetensors"))
+    cfg = toy(tmp_path, "train.max_steps=3", "optim.lr=0.1", "resume=latest")
+    trainer = Trainer(cfg, policy=WithReference(cfg))
+    trainer.train()
+    torch.testing.assert_close(trainer.policy.reference_ema.shadow["weight"], restored["weight"], rtol=0, atol=0)
+    saved = load_file(str(tmp_path / "checkpoints" / "step-3" / "policy_state.safetensors"))
+    torch.testing.assert_close(saved["weight"], restored["weight"], rtol=0, atol=0)
