@@ -90,6 +90,15 @@ def check_run_dir(run_dir: Path) -> None:
         raise PermissionError(errno.EACCES, f"output_dir {run_dir} cannot be made", str(existing))
 
 
+def check_batch_layout(cfg: BaseConfig, num_processes: int) -> None:
+    """ConfigError for a batch that ``num_processes`` processes cannot split: ``train.prompts_per_step`` not
+    divisible by them, or fewer micro-batches per process (its prompts x ``train.group_size`` rows, the rows of every
+    rollout the trainer trains on) than ``train.updates_per_rollout``."""
+    t = cfg.train
+    GroupSampler(1, t.prompts_per_step, num_processes)  # names train.prompts_per_step when it does not divide
+    update_sizes(t.prompts_per_step // num_processes * t.group_size, t.micro_batch_size, t.updates_per_rollout)
+
+
 def configure_deepspeed(plugin: DeepSpeedPlugin, cfg: BaseConfig) -> None:
     """Fill the DeepSpeed config from the run's, before ``prepare``, replacing the launcher file's values:
     ``gradient_clipping`` = ``optim.max_grad_norm`` (0 = none; under DeepSpeed the engine clips, and accelerate's
@@ -112,6 +121,7 @@ class Trainer:
         acc = self.accelerator
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        check_batch_layout(cfg, acc.num_processes)  # before the model loads
         set_seed(cfg.seed, device_specific=True)
         self.policy = policy if policy is not None else build_policy(cfg)
         self.rewards = RewardZoo(cfg.rewards)

@@ -32,7 +32,7 @@ from mmgrpo.policy import (
     update_sizes,
 )
 from mmgrpo.tracking import read_metrics
-from mmgrpo.trainer import Trainer, configure_deepspeed
+from mmgrpo.trainer import Trainer, check_batch_layout, configure_deepspeed
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot_every=0"]
@@ -715,3 +715,22 @@ def test_a_policy_state_turned_on_at_a_resume_starts_from_the_restored_weights(t
     torch.testing.assert_close(trainer.policy.reference_ema.shadow["weight"], restored["weight"], rtol=0, atol=0)
     saved = load_file(str(tmp_path / "checkpoints" / "step-3" / "policy_state.safetensors"))
     torch.testing.assert_close(saved["weight"], restored["weight"], rtol=0, atol=0)
+
+
+def test_too_many_updates_per_rollout_are_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """train.updates_per_rollout larger than a process's micro-batches was refused at the first iteration only,
+    after the model had loaded and a whole rollout had run."""
+    import mmgrpo.trainer
+
+    def no_model(cfg):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(mmgrpo.trainer, "build_policy", no_model)
+    cfg = toy(tmp_path, "train.updates_per_rollout=3", "train.prompts_per_step=2", "train.group_size=4",
+              "train.micro_batch_size=4")
+    with pytest.raises(ConfigError, match=r"'train.updates_per_rollout': 3 updates need as many micro-batches per "
+                                          r"process, and this one has 2 \(8 rows, train.micro_batch_size 4\)"):
+        Trainer(cfg)
+    with pytest.raises(ConfigError, match="'train.prompts_per_step': 2 must be divisible by the 3 processes"):
+        check_batch_layout(cfg, 3)
+    check_batch_layout(toy(tmp_path, "train.prompts_per_step=4", "train.micro_batch_size=2"), 2)
