@@ -65,15 +65,15 @@ def raw_ground_truth(meta: dict[str, Any]) -> Any:
 
 
 def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer") -> str:
-    """:func:`raw_ground_truth` as text, unwrapped from ``<tag>`` if wrapped.
+    """:func:`raw_ground_truth` as text, unwrapped from ``<tag>`` if wrapped, then by :func:`unwrap_answer`.
 
-    A missing or blank ground truth is a data error and raises ``ValueError``."""
+    A missing or blank ground truth (``\\boxed{}`` too) is a data error and raises ``ValueError``."""
     value = raw_ground_truth(meta)
     if value is None:
         raise ValueError(f"reward '{reward}': sample {row} has no 'solution' or 'answer' in its meta")
     text = str(value)
     inner = last_tagged(text, tag)
-    text = (inner if inner is not None else text).strip()
+    text = unwrap_answer(inner if inner is not None else text)
     if not text:
         raise ValueError(f"reward '{reward}': sample {row} has an empty ground truth")
     return text
@@ -388,7 +388,7 @@ class AccuracyReward(Reward):
             if rule is None:
                 scores.append(math.nan)
                 continue
-            gt = unwrap_answer(ground_truth(meta, row, "accuracy", self.answer_tag))
+            gt = ground_truth(meta, row, "accuracy", self.answer_tag)
             pred = unwrap_answer(last_tagged(text, self.answer_tag) or "")
             scores.append(rule(pred, gt) if pred else 0.0)
         return torch.tensor(scores, dtype=torch.float64)

@@ -236,6 +236,8 @@ def test_accuracy_errors_name_the_problem():
         score("accuracy", ["<answer>B</answer>"], [{"problem_type": "OCR"}])
     with pytest.raises(ValueError, match="empty ground truth"):
         score("accuracy", ["<answer>B</answer>"], [{"problem_type": "OCR", "solution": "<answer> </answer>"}])
+    with pytest.raises(ValueError, match="sample 0 has an empty ground truth"):  # not jiwer's complaint
+        score("accuracy", ["<answer>B</answer>"], [{"problem_type": "OCR", "solution": "<answer>\\boxed{ }</answer>"}])
     with pytest.raises(ValueError, match="unknown_type must be"):
         build_reward("accuracy", {"unknown_type": "skip"})
     with pytest.raises(ValueError, match="unknown default_type 'essay'"):
