@@ -5,8 +5,9 @@ Images and videos are normalised to float32 RGB in [0, 1]:
 - 3 channels pass through; 1 channel (grayscale) is repeated to 3;
 - 4 channels (RGBA) are composited over a **white** background, ``rgb * a + (1 - a)``, the way viewers and browsers
   show transparent pixels;
-- values may overshoot [0, 1] by up to ``RANGE_TOLERANCE`` (resampling, bf16 decoding) and are then clamped; anything
-  further out, NaN or inf raises ``ValueError``.
+- values may overshoot [0, 1] by up to ``RANGE_TOLERANCE`` (resampling), or one rounding step of a low-precision
+  input dtype (bf16 has nothing between 1 and 1 + 2**-7), and are then clamped; anything further out, NaN or inf
+  raises ``ValueError``.
 
 Layouts are channels-first. A shape that reads both ways, such as (2, 4, 4, 3) (4-channel 4x3 images, or 3-channel
 4x4 images stored channels-last), is taken only as the documented RGB layout (B, 3, H, W); one whose channel count
@@ -52,12 +53,18 @@ def _check_layout(x: torch.Tensor, ndim: int, who: str) -> None:
         raise ValueError(f"{who}{what} are empty: got shape {shape}; score at least one sample of at least 1x1 pixels")
 
 
+def _tolerance(dtype: torch.dtype) -> float:
+    """How far past [0, 1] values of ``dtype`` may be: ``RANGE_TOLERANCE``, or the dtype's step at 1 when larger."""
+    return max(RANGE_TOLERANCE, torch.finfo(dtype).eps if dtype.is_floating_point else 0.0)
+
+
 def _to_rgb(x: torch.Tensor, channel_dim: int, what: str, who: str) -> torch.Tensor:
+    tolerance = _tolerance(x.dtype)
     x = x.to(torch.float32)
     if not torch.isfinite(x).all():
         raise ValueError(f"{who}{what} contain NaN or inf")
     lo, hi = (v.item() for v in torch.aminmax(x))
-    if lo < -RANGE_TOLERANCE or hi > 1 + RANGE_TOLERANCE:
+    if lo < -tolerance or hi > 1 + tolerance:
         raise ValueError(f"{who}{what} must be in [0, 1]; got min {lo:.4g} max {hi:.4g}{_range_hint(lo, hi)}")
     x = x.clamp(0, 1)
     channels = x.shape[channel_dim]
