@@ -65,7 +65,8 @@ def raw_ground_truth(meta: dict[str, Any]) -> Any:
 
 
 def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer") -> str:
-    """:func:`raw_ground_truth` as text, unwrapped from ``<tag>`` if wrapped, then by :func:`unwrap_answer`.
+    """:func:`raw_ground_truth` as text, unwrapped from ``<tag>`` if wrapped (else from ``<answer>``, as Video-R1
+    data wraps every solution whatever tag the policy writes), then by :func:`unwrap_answer`.
 
     A missing or blank ground truth (``\\boxed{}`` too) is a data error and raises ``ValueError``."""
     value = raw_ground_truth(meta)
@@ -73,6 +74,8 @@ def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer
         raise ValueError(f"reward '{reward}': sample {row} has no 'solution' or 'answer' in its meta")
     text = str(value)
     inner = last_tagged(text, tag)
+    if inner is None:
+        inner = last_tagged(text, "answer")
     text = unwrap_answer(inner if inner is not None else text)
     if not text:
         raise ValueError(f"reward '{reward}': sample {row} has an empty ground truth")
@@ -348,7 +351,8 @@ class AccuracyReward(Reward):
         default_type: problem type for samples whose meta has no ``problem_type`` (EasyR1 data); None requires it.
         unknown_type: ``"raise"`` a ``ValueError`` naming an unknown or missing problem type, or score it ``"nan"``
             (does not apply).
-        answer_tag: name of the answer tag, in completions and in wrapped ground truths.
+        answer_tag: name of the answer tag, in completions and in wrapped ground truths (which may also be wrapped
+            in ``<answer>`` tags, as Video-R1 data is).
     """
 
     modality = "text"

@@ -395,3 +395,12 @@ def test_a_null_solution_falls_back_to_the_answer_column():
     meta = [{"problem_type": "numerical", "solution": None, "answer": "7"}]
     assert score("accuracy", ["<answer>7</answer>"], meta) == [1.0]
     assert score("temporal_iou", ["<answer>[4, 8]</answer>"], [{"solution": None, "answer": [4, 8]}]) == [1.0]
+
+
+def test_a_custom_answer_tag_still_unwraps_video_r1_ground_truths():
+    """Video-R1 data wraps every solution in <answer> tags, whatever tag the policy is asked to write."""
+    meta = [{"problem_type": "multiple choice", "solution": "<answer>B</answer>"},
+            {"problem_type": "multiple choice", "solution": "<final>C</final>"}]
+    assert score("accuracy", ["<final>B</final>", "<final>C</final>"], meta, answer_tag="final") == [1.0, 1.0]
+    assert score("temporal_iou", ["<final>[4, 8]</final>"], [{"solution": "<answer>[4, 8]</answer>"}],
+                 answer_tag="final") == [1.0]
