@@ -719,18 +719,16 @@ class Trainer:
         without one. The same answer on every process."""
         return bool(self.budget_s) and self.max_on_processes(seconds) >= self.budget_s
 
-    def _out_of_time(self, bar: tqdm) -> bool:
-        """Whether the ``train.max_minutes`` budget is spent (False without one), the same answer on every process.
-        Until it is, at every ``REPLAN_EVERY`` of the budget, fit a decaying lr schedule to end with it; the
-        progress bar's total is the step where the budget is projected to end."""
+    def _follow_budget(self, bar: tqdm) -> None:
+        """With a ``train.max_minutes`` budget (nothing without one), at every ``REPLAN_EVERY`` of it, fit a decaying
+        lr schedule to end with it; the progress bar's total is the step where the budget is projected to end.
+        The slowest process's clock decides: every process must call this."""
         budget_s = self.budget_s
         if not budget_s:
-            return False
-        elapsed = self.max_on_processes(self.train_seconds)  # the slowest process's clock decides for all
-        if elapsed >= budget_s:
-            return True
-        if self.step == 0 or elapsed <= 0:  # no pace to project from yet
-            return False
+            return
+        elapsed = self.max_on_processes(self.train_seconds)
+        if elapsed >= budget_s or self.step == 0 or elapsed <= 0:  # spent, or no pace to project from yet
+            return
         mark = int(elapsed / (REPLAN_EVERY * budget_s))
         if mark > self._replan_mark:
             self._replan_mark = mark
@@ -740,7 +738,6 @@ class Trainer:
                           f"{self.cfg.train.max_minutes:g} minutes is projected to end")
         bar.total = min(self.cfg.train.max_steps, max(self.step + 1, projected_end(self.step, elapsed, budget_s)))
         bar.refresh()
-        return False
 
     def train(self, should_stop: Callable[[int, dict[str, Any]], bool] | None = None) -> list[dict[str, Any]]:
         """Run to ``train.max_steps``, or until ``should_stop(step, last_row)`` returns True after an iteration
@@ -786,9 +783,10 @@ class Trainer:
         self._plots_started, self._plot_seconds = time.perf_counter(), 0.0  # for logging.plot_max_share
         # a resumed run re-plans from the next mark it has not passed
         self._replan_mark = int(self.train_seconds / (REPLAN_EVERY * self.budget_s)) if self.budget_s else 0
-        out_of_time = False
+        out_of_time = self._budget_spent(self.train_seconds)  # a resumed run may have spent its budget
         with self._stop_on_signals() as asked, closing(bar):
-            while self.step < cfg.train.max_steps and not (out_of_time := self._out_of_time(bar)):
+            while self.step < cfg.train.max_steps and not out_of_time:
+                self._follow_budget(bar)
                 t0 = time.perf_counter()
                 sampler_state = self.sampler.state_dict()
                 try:
@@ -818,8 +816,11 @@ class Trainer:
                 iteration_metrics.update(rollout.counters)  # after training, which may add to them
                 t3 = time.perf_counter()
                 self.iteration += 1
-                # the last iteration (by steps, or by the time budget) ends with an evaluation too
-                last = self.step >= cfg.train.max_steps or self._budget_spent(self.train_seconds + t3 - t0)
+                # the last iteration (by steps, or by the time budget: decided here, so that the time of its
+                # evaluation, metrics and checkpoint cannot end the run on a step that was not evaluated) ends
+                # with an evaluation too
+                out_of_time = self._budget_spent(self.train_seconds + t3 - t0)
+                last = self.step >= cfg.train.max_steps or out_of_time
                 every = cfg.train.eval_every
                 if every and (self.step // every != (self.step - len(rows)) // every or last):
                     rows[-1].update(self.evaluate())
@@ -843,7 +844,7 @@ class Trainer:
                     break
             if last_saved != self.step:
                 self.save_checkpoint()
-        if out_of_time:
+        if out_of_time and self.step < cfg.train.max_steps:
             acc.print(f"time budget of {cfg.train.max_minutes:g} minutes (train.max_minutes) reached at step "
                       f"{self.step}; the lr schedule ended at step {self.schedule_warp.planned_end():.0f}")
         if self.interrupted:

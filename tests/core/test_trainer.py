@@ -734,3 +734,19 @@ def test_too_many_updates_per_rollout_are_refused_before_the_model_loads(tmp_pat
     with pytest.raises(ConfigError, match="'train.prompts_per_step': 2 must be divisible by the 3 processes"):
         check_batch_layout(cfg, 3)
     check_batch_layout(toy(tmp_path, "train.prompts_per_step=4", "train.micro_batch_size=2"), 2)
+
+
+def test_a_time_budget_that_a_checkpoint_spends_still_ends_with_an_evaluated_iteration(tmp_path):
+    """The last iteration of a time-bounded run is evaluated: decided from the clock at the end of its training.
+    When the time of a checkpoint (or evaluation, or plot) after it spent the budget instead, the loop stopped
+    before another iteration, and the run ended on a step that was not evaluated."""
+    class SlowSaves(Trainer):
+        def save_checkpoint(self):
+            time.sleep(0.6)  # the whole budget: the first checkpoint spends it
+            return super().save_checkpoint()
+
+    trainer = SlowSaves(toy(tmp_path, "train.max_steps=100", "train.save_every=1", "train.eval_every=1000",
+                            "train.max_minutes=0.01"))
+    history = trainer.train()
+    assert trainer.step == 2 and history[-1]["step"] == 2  # one more iteration, whose end finds the budget spent
+    assert "eval/toy_bandit:match_reward/mean" in history[-1], [sorted(r) for r in history[-1:]]
