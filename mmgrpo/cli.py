@@ -40,14 +40,21 @@ def _policy_and_weights(cfg: Any) -> tuple[Any, Path | None]:
     if found is not None:
         from mmgrpo.config import to_dict
 
+        old, new = None, checkpoint.flatten(to_dict(cfg))
         try:
             saved = found / checkpoint.CONFIG_FILE
             if saved.is_file():  # the weights fit only the pipeline and base model they were trained on
-                error = checkpoint.fixed_change(checkpoint.saved_config(saved), checkpoint.flatten(to_dict(cfg)),
-                                                found, keys=("pipeline", "model.path"))
+                old = checkpoint.saved_config(saved)
+                error = checkpoint.fixed_change(old, new, found, keys=("pipeline", "model.path"))
                 if error is not None:
                     raise error
-            policy.load(found / "policy")
+            try:
+                policy.load(found / "policy")
+            except Exception:  # a model.* setting the weights do not fit (lora_rank...) is named, not the files
+                error = None if old is None else checkpoint.fixed_change(old, new, found, keys=("model.",))
+                if error is not None:
+                    raise error from None
+                raise
             ema = found / "ema.safetensors"
             if ema.is_file():  # a run with train.ema_decay > 0: evaluate and sample with the averaged weights
                 from safetensors.torch import load_file
@@ -61,6 +68,25 @@ def _policy_and_weights(cfg: Any) -> tuple[Any, Path | None]:
         except Exception as err:  # a torn file, weights of another shape: one line naming the checkpoint
             raise checkpoint.unreadable(found, err, Path(cfg.output_dir)) from err
     return policy, found
+
+
+def trained_config_changes(cfg: Any, found: Path | None) -> list[str]:
+    """The dotted keys in which ``cfg`` differs from the config checkpoint ``found`` was trained with (saved in it),
+    but for the keys a run may change freely (output_dir, logging...); printed as a note, since eval and sample
+    follow ``cfg``. Empty without a checkpoint or its config."""
+    from mmgrpo import checkpoint
+    from mmgrpo.config import to_dict
+
+    if found is None or not (found / checkpoint.CONFIG_FILE).is_file():
+        return []
+    fixed, other = checkpoint.config_changes(checkpoint.saved_config(found / checkpoint.CONFIG_FILE),
+                                             checkpoint.flatten(to_dict(cfg)))
+    changed = sorted(fixed + other)
+    if changed:
+        shown = ", ".join(changed[:8]) + (f" and {len(changed) - 8} more" if len(changed) > 8 else "")
+        print(f"note: this config differs from the one {found} was trained with in {shown}; these settings follow "
+              f"this config (pass {found / checkpoint.CONFIG_FILE} to use the training ones)", file=sys.stderr)
+    return changed
 
 
 def output_tag(directory: Path, kind: str, checkpoint: Path | None) -> str:
@@ -97,6 +123,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     policy, found = _policy_and_weights(cfg)
+    changed = trained_config_changes(cfg, found)
     _, eval_items = policy.datasets()
     batch = policy.generate(eval_items)
     if len(batch) == 0:  # every held-out item was skipped (bad media, prompts over the budget: warned above)
@@ -106,14 +133,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     means = {k: v.nanmean().item() for k, v in logged.items()}
     result = {"num_samples": len(batch), "num_items": len(eval_items),
               "rewards": {k: None if math.isnan(v) else v for k, v in means.items()},  # NaN: no sample applied
-              "checkpoint": None if found is None else str(found)}
+              "checkpoint": None if found is None else str(found), "config_changes": changed}
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=2, allow_nan=False))
-    policy.save_samples(batch, out / "samples", output_tag(out / "samples", "eval", found))
+    tag = output_tag(out / "samples", "eval", found)
+    text = json.dumps(result, indent=2, allow_nan=False)
+    (out / "eval.json").write_text(text)  # the latest evaluation; each one is kept as samples/<tag>.json too
+    policy.save_samples(batch, out / "samples", tag)
+    (out / "samples" / f"{tag}.json").write_text(text)
     for name, value in means.items():
         print(f"{name:>32s}  {value:.4f}")
-    print(f"wrote {out / 'eval.json'}")
+    print(f"wrote {out / 'eval.json'} and {out / 'samples' / tag}.json")
     return 0
 
 
@@ -162,6 +192,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     policy, found = _policy_and_weights(cfg)
+    trained_config_changes(cfg, found)
     train_items, eval_items = policy.datasets()
     known = {item["prompt"]: item for item in train_items + eval_items}
     items = [known.get(p, {"prompt": p}) for p in args.prompt] if args.prompt else eval_items[: args.num]

@@ -240,7 +240,7 @@ def test_nfe_counters_are_the_rows_the_transformer_ran(preset, updates, adapter,
         assert sum(ran) == 32 + 48 - 12 // updates
 
 
-def test_checkpoint_round_trip_keeps_weights_and_window_position(adapter, tmp_path, monkeypatch):
+def test_checkpoint_round_trip_keeps_weights_and_window_position(adapter, tmp_path, monkeypatch, capsys):
     cfg = config("tiny_mixgrpo", tmp_path, "train.max_steps=2")
     _, rows = train(cfg, adapter)
     assert max(r["ratio/onpolicy_max_dev"] for r in rows) <= 1e-6
@@ -267,6 +267,25 @@ def test_checkpoint_round_trip_keeps_weights_and_window_position(adapter, tmp_pa
             "--prompt", "a green cube"]
     assert main(args) == 0
     assert [p.name for p in (tmp_path / "samples").glob("sample-*")] == [f"sample-{saved.parent.name}.png"]
+    capsys.readouterr()
+    # eval follows the given config, says where it differs from the training one, and keeps each result
+    evaluate = ["eval", preset, *RANDOM_TINY_SD3, *SMALL, f"output_dir={tmp_path}", "resume=latest",
+                "data.num_eval=2"]
+    assert main([*evaluate, "sampling.guidance_scale=2.0"]) == 0
+    note = capsys.readouterr().err
+    assert "differs from the one" in note and "sampling.guidance_scale" in note
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert "sampling.guidance_scale" in result["config_changes"]
+    assert json.loads((tmp_path / "samples" / "eval-step-2.json").read_text()) == result
+    assert main(evaluate) == 0  # a second evaluation keeps the first one's file
+    assert json.loads((tmp_path / "samples" / "eval-step-2-2.json").read_text())["config_changes"] == [
+        k for k in result["config_changes"] if k != "sampling.guidance_scale"]
+    capsys.readouterr()
+    # a model setting the saved weights do not fit is named, not blamed on the checkpoint's files
+    monkeypatch.undo()  # the policy builds its own adapter, of rank 4
+    assert main([*evaluate, "model.lora_rank=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading bars
+    assert err.startswith("config error: bad value for 'model.lora_rank': 4, but checkpoint")
 
 
 def test_shared_initial_noise_starts_each_group_from_one_latent(adapter, tmp_path):
