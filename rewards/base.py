@@ -130,23 +130,34 @@ class FunctionReward(Reward):
         return self.fn(batch)
 
 
-def trl_reward(fn: Callable[..., Sequence[float]]) -> FunctionReward:
+def trl_reward(fn: Callable[..., Sequence[float]], conversational: bool = False) -> FunctionReward:
     """Wrap a TRL-style reward ``fn(prompts, completions, **columns) -> list[float]``, called by keyword as TRL
     calls it: ``fn(prompts=..., completions=..., **columns)``, so ``fn(completions, solution, **kwargs)`` works too.
 
     Every key present in the samples' ``meta`` is passed as a keyword list, so a TRL reward that reads
-    ``solution`` works unchanged. ``None`` scores (TRL's "not applicable") become NaN."""
+    ``solution`` works unchanged. ``None`` scores (TRL's "not applicable") become NaN. ``conversational``: pass
+    TRL's chat format, as TRL does for conversational datasets (every VLM dataset): each prompt as
+    ``[{"role": "user", "content": prompt}]`` and each completion as ``[{"role": "assistant", "content": text}]``,
+    which rewards written for it read as ``completion[0]["content"]`` (open-r1, Video-R1); else plain strings."""
 
     def call(batch: RewardBatch) -> torch.Tensor:
         if batch.completions is None:
             raise ValueError(f"TRL-style reward '{fn.__name__}' needs text completions; this batch has none")
         columns = sorted({k for m in batch.meta for k in m})
         kwargs = {k: [m.get(k) for m in batch.meta] for k in columns}
-        scores = fn(prompts=batch.prompts, completions=batch.completions, **kwargs)
+        prompts, completions = list(batch.prompts), list(batch.completions)
+        if conversational:
+            prompts = [[{"role": "user", "content": p}] for p in prompts]
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        scores = fn(prompts=prompts, completions=completions, **kwargs)
         return torch.tensor([math.nan if s is None else float(s) for s in scores], dtype=torch.float64)
 
     call.__name__ = getattr(fn, "__name__", "trl_reward")
     return FunctionReward(call, kind=POINTWISE, modality="text")
+
+
+TRL_ARGS = ("conversational",)
+"""The args a TRL-style reward function takes in a config (passed to :func:`trl_reward`)."""
 
 
 def is_trl_signature(fn: Callable) -> bool:

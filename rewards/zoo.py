@@ -39,6 +39,7 @@ from mmgrpo.registry import REWARDS, RegistryError
 from .base import (
     GROUPWISE,
     POINTWISE,
+    TRL_ARGS,
     FunctionReward,
     Reward,
     RewardBatch,
@@ -81,13 +82,14 @@ def build_reward(name: str, args: dict[str, Any] | None = None, device: str | to
         if args:
             raise ValueError(f"reward '{name}' is an instance and takes no args (got {sorted(args)})")
         reward = obj
+    elif callable(obj) and is_trl_signature(obj):
+        reward = trl_reward(obj, **args)
     elif callable(obj) and args:
         reward = obj(**args)
         if not isinstance(reward, Reward):
             raise TypeError(f"reward '{name}' took args but did not return a Reward")
     elif callable(obj):
-        reward = trl_reward(obj) if is_trl_signature(obj) else FunctionReward(
-            obj, kind=entry.info.get("kind", POINTWISE), modality=entry.info.get("modality", "any"))
+        reward = FunctionReward(obj, kind=entry.info.get("kind", POINTWISE), modality=entry.info.get("modality", "any"))
     else:
         raise ValueError(f"reward '{name}' is not callable")
     return reward if device is None else reward.to(device)
@@ -175,9 +177,18 @@ def _check_args(obj: Any, args: dict[str, Any], key: str, what: str) -> None:
         return
     if not args and not isinstance(obj, type):
         return  # a plain function, called on the batch
+    if not isinstance(obj, type) and is_trl_signature(obj):
+        unknown = next((k for k in args if k not in TRL_ARGS), None)
+        if unknown is not None:
+            raise ConfigError(f"unknown key '{key}.{unknown}': {what} is a TRL-style function; its only arg is "
+                              f"{', '.join(TRL_ARGS)}")
+        if not isinstance(args.get("conversational", False), bool):
+            raise ConfigError(f"bad value for '{key}.conversational': must be true or false; got "
+                              f"{args['conversational']!r}")
+        return
     if not isinstance(obj, type) and called_on_batches(obj):
         raise ConfigError(f"unknown key '{key}.{next(iter(args))}': {what} is a function called on each batch "
-                          f"(fn(batch) or fn(prompts, completions, **kwargs)) and takes no args; to configure "
+                          f"(fn(batch)) and takes no args; to configure "
                           f"it, register a factory that takes the args and returns a Reward")
     try:
         params = inspect.signature(obj).parameters.values()

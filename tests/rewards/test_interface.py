@@ -38,6 +38,12 @@ def completion_length(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def conversational_accuracy(prompts, completions, solution, **kwargs):
+    """open-r1 / Video-R1 style: TRL's chat format, completion[0]["content"]."""
+    assert prompts[0][0]["role"] == "user"
+    return [float(c[0]["content"] == s) for c, s in zip(completions, solution)]
+
+
 def sees_inputs(batch):
     """Reads the input images and the per-sample meta."""
     return batch.images.mean(dim=(1, 2, 3)) * torch.tensor([m["scale"] for m in batch.meta])
@@ -96,13 +102,27 @@ def test_plain_function_by_import_path(user_module):
     assert list(logged) == [f"{user_module}:plain"] and seconds[f"{user_module}:plain"] >= 0
 
 
-@pytest.mark.parametrize("name", ["plain", "trl_style"])
-def test_a_function_called_on_batches_takes_no_args_and_says_so(user_module, name):
+def test_a_function_called_on_batches_takes_no_args_and_says_so(user_module):
     """Args meant for a batch-called function would be passed to it as a factory call; the config error says why
-    instead of suggesting its batch parameter (or asking for its ``prompts``)."""
-    with pytest.raises(ConfigError, match=rf"unknown key 'rewards.0.args.scale': reward '{user_module}:{name}' is a "
+    instead of suggesting its batch parameter."""
+    with pytest.raises(ConfigError, match=rf"unknown key 'rewards.0.args.scale': reward '{user_module}:plain' is a "
                                           r"function called on each batch .* takes no args; .*register a factory"):
-        zoo(f"{user_module}:{name}", scale=2.0)
+        zoo(f"{user_module}:plain", scale=2.0)
+    with pytest.raises(ConfigError, match=rf"unknown key 'rewards.0.args.scale': reward '{user_module}:trl_style' "
+                                          r"is a TRL-style function; its only arg is conversational"):
+        zoo(f"{user_module}:trl_style", scale=2.0)
+    with pytest.raises(ConfigError, match=r"bad value for 'rewards.0.args.conversational': must be true or false"):
+        zoo(f"{user_module}:trl_style", conversational="yes")
+
+
+def test_a_conversational_trl_reward_gets_the_chat_format(user_module):
+    """TRL passes conversational datasets' prompts and completions as message lists, which open-r1's and Video-R1's
+    rewards read (``completion[0]["content"]``); ``conversational: true`` passes them so."""
+    batch = batch2(completions=["x", "yy"], meta=[{"solution": "x"}, {"solution": "z"}])
+    main, _, _ = zoo(f"{user_module}:conversational_accuracy", conversational=True)(batch)
+    assert main[:, 0].tolist() == [1.0, 0.0]
+    with pytest.raises(RewardError, match="string indices must be integers"):  # plain strings by default
+        zoo(f"{user_module}:conversational_accuracy")(batch)
 
 
 def test_trl_style_function_is_wrapped(user_module):
