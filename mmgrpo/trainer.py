@@ -121,7 +121,20 @@ class Trainer:
         acc = self.accelerator
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        check_batch_layout(cfg, acc.num_processes)  # before the model loads
+        # before the model loads: what the config and the launcher decide
+        check_batch_layout(cfg, acc.num_processes)
+        if cfg.train.ema_decay > 0 and sharded_parameters(acc):
+            raise ConfigError("bad value for 'train.ema_decay': the EMA keeps full copies of the parameters, which "
+                              "FSDP and DeepSpeed ZeRO-3 shard; set it to 0 or use DDP or ZeRO-2")
+        if cfg.grpo.refill_rounds and not cfg.grpo.mask_zero_std_groups:
+            raise ConfigError("bad value for 'grpo.refill_rounds': refilling replaces the groups that "
+                              "grpo.mask_zero_std_groups leaves out; set grpo.mask_zero_std_groups: true")
+        if cfg.grpo.oversample_prompts and not cfg.grpo.mask_zero_std_groups:
+            raise ConfigError("bad value for 'grpo.oversample_prompts': the extra groups replace those that "
+                              "grpo.mask_zero_std_groups leaves out; set grpo.mask_zero_std_groups: true")
+        if cfg.grpo.oversample_prompts % acc.num_processes:
+            raise ConfigError(f"bad value for 'grpo.oversample_prompts': {cfg.grpo.oversample_prompts} must be "
+                              f"divisible by the {acc.num_processes} processes")
         set_seed(cfg.seed, device_specific=True)
         self.policy = policy if policy is not None else build_policy(cfg)
         self.rewards = RewardZoo(cfg.rewards)
@@ -137,26 +150,13 @@ class Trainer:
         self.schedule_warp = warp_schedule(scheduler, cfg.train.max_steps)
         self.policy.model, self.optimizer, self.scheduler = acc.prepare(self.policy.model, optimizer, scheduler)
         self.policy.setup(acc)
-        if cfg.train.ema_decay > 0 and sharded_parameters(acc):
-            raise ConfigError("bad value for 'train.ema_decay': the EMA keeps full copies of the parameters, which "
-                              "FSDP and DeepSpeed ZeRO-3 shard; set it to 0 or use DDP or ZeRO-2")
         self.ema = EMA(named, cfg.train.ema_decay) if cfg.train.ema_decay > 0 else None
-        if cfg.grpo.refill_rounds and not cfg.grpo.mask_zero_std_groups:
-            raise ConfigError("bad value for 'grpo.refill_rounds': refilling replaces the groups that "
-                              "grpo.mask_zero_std_groups leaves out; set grpo.mask_zero_std_groups: true")
         if cfg.grpo.refill_rounds and type(self.policy).merge_groups is Policy.merge_groups:
             raise ConfigError(f"bad value for 'grpo.refill_rounds': the {cfg.pipeline} pipeline cannot merge "
                               "rollouts; set it to 0 (grpo.mask_zero_std_groups still masks the groups)")
-        if cfg.grpo.oversample_prompts:
-            if not cfg.grpo.mask_zero_std_groups:
-                raise ConfigError("bad value for 'grpo.oversample_prompts': the extra groups replace those that "
-                                  "grpo.mask_zero_std_groups leaves out; set grpo.mask_zero_std_groups: true")
-            if cfg.grpo.oversample_prompts % acc.num_processes:
-                raise ConfigError(f"bad value for 'grpo.oversample_prompts': {cfg.grpo.oversample_prompts} must be "
-                                  f"divisible by the {acc.num_processes} processes")
-            if type(self.policy).merge_groups is Policy.merge_groups:
-                raise ConfigError(f"bad value for 'grpo.oversample_prompts': the {cfg.pipeline} pipeline cannot "
-                                  "drop groups from a rollout; set it to 0")
+        if cfg.grpo.oversample_prompts and type(self.policy).merge_groups is Policy.merge_groups:
+            raise ConfigError(f"bad value for 'grpo.oversample_prompts': the {cfg.pipeline} pipeline cannot "
+                              "drop groups from a rollout; set it to 0")
         acc.register_save_state_pre_hook(self._save_hook)
         acc.register_load_state_pre_hook(self._load_hook)
 

@@ -750,3 +750,20 @@ def test_a_time_budget_that_a_checkpoint_spends_still_ends_with_an_evaluated_ite
     history = trainer.train()
     assert trainer.step == 2 and history[-1]["step"] == 2  # one more iteration, whose end finds the budget spent
     assert "eval/toy_bandit:match_reward/mean" in history[-1], [sorted(r) for r in history[-1:]]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["grpo.refill_rounds=1"], "'grpo.refill_rounds': refilling replaces .* set grpo.mask_zero_std_groups: true"),
+    (["grpo.oversample_prompts=2"], "'grpo.oversample_prompts': the extra groups .* set grpo.mask_zero_std_groups"),
+])
+def test_dynamic_sampling_without_the_mask_is_refused_before_the_model_loads(tmp_path, monkeypatch, overrides,
+                                                                             message):
+    """These settings are checked from the config alone, but were checked after the model had loaded."""
+    import mmgrpo.trainer
+
+    def no_model(cfg):
+        raise AssertionError("the model was loaded before the check")
+
+    monkeypatch.setattr(mmgrpo.trainer, "build_policy", no_model)
+    with pytest.raises(ConfigError, match=message):
+        Trainer(toy(tmp_path, *overrides))
