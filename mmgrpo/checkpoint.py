@@ -182,7 +182,9 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints, and stale temporary and set-aside folders."""
+    """Delete all but the newest ``keep_last`` complete checkpoints, and stale temporary and set-aside folders. A
+    checkpoint is renamed to a set-aside folder before its files go, so a prune cut short (a killed run) leaves no
+    ``step-N`` with part of its files; the next prune deletes the rest."""
     root = run_dir / "checkpoints"
     if not root.is_dir():
         return
@@ -190,4 +192,9 @@ def prune(run_dir: Path, keep_last: int) -> None:
         shutil.rmtree(child, ignore_errors=True)
     if keep_last > 0:
         for _, path in checkpoint_dirs(run_dir)[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+            doomed = path.with_name(f".old-{path.name}")
+            try:
+                path.rename(doomed)
+            except OSError:  # a set-aside folder of that name that could not be deleted: delete in place
+                doomed = path
+            shutil.rmtree(doomed, ignore_errors=True)

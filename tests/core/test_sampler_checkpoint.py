@@ -104,3 +104,30 @@ def test_finalize_puts_every_file_on_disk_before_the_rename(tmp_path, monkeypatc
     moved = [final / "policy" / "model.safetensors", final / "optimizer.bin", final / "policy", final]
     written = {tmp.resolve() / p.relative_to(final) for p in moved}  # fsynced under the temporary name
     assert written <= set(synced), written - set(synced)
+
+
+def test_a_prune_cut_short_leaves_no_checkpoint_that_looks_complete(tmp_path, monkeypatch):
+    """Pruning deleted an old checkpoint's files in place, in directory order: a run killed part-way through left a
+    step-N with its trainer_state.json but without some weights, listed as complete (the checkpoint a 'cannot be
+    read' error names to resume from instead). It is renamed out of the checkpoint names before it is deleted."""
+    import shutil
+
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (root / f"step-{step}" / "policy").mkdir(parents=True)
+        (root / f"step-{step}" / "policy" / "model.safetensors").write_bytes(b"w")
+        (root / f"step-{step}" / checkpoint.STATE_FILE).write_text(json.dumps({"step": step}))
+
+    real_rmtree = shutil.rmtree
+
+    def killed_part_way(path, ignore_errors=False):
+        real_rmtree(Path(path) / "policy")  # some files go, then the process is killed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_part_way)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.prune(tmp_path, keep_last=1)
+    monkeypatch.undo()
+    assert all((path / "policy" / "model.safetensors").is_file() for _, path in checkpoint.checkpoint_dirs(tmp_path))
+    checkpoint.prune(tmp_path, keep_last=1)  # the next prune deletes what is left
+    assert sorted(p.name for p in root.iterdir()) == ["step-4"]
