@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,8 +156,15 @@ def inline_yaml(value: Any) -> str:
     return text.removesuffix("...").strip()
 
 
-def cmd_config(args: argparse.Namespace) -> int:
+def table_console() -> Any:
+    """A rich console for the tables of ``config`` and ``rewards``: the terminal's width (or ``COLUMNS``), and 160
+    columns when the output goes to a pipe or a file (rich would wrap the tables at 80)."""
     from rich.console import Console
+
+    return Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=160)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
     from rich.table import Column, Table
     from rich.text import Text
 
@@ -176,16 +184,19 @@ def cmd_config(args: argparse.Namespace) -> int:
     needle = (args.grep or "").lower()
     table = Table(Column("key", no_wrap=True), Column("value", overflow="fold"), Column("what it is", ratio=1),
                   title=title)
-    for key, doc in docs.items():
-        if needle and needle not in key.lower() and needle not in doc.lower():
-            continue
+    shown = [key for key, doc in docs.items() if not needle or needle in key.lower() or needle in doc.lower()]
+    if not shown:
+        print(f"no option of {title} matches '{args.grep}' (in its key or its description)", file=sys.stderr)
+        return 1
+    for key in shown:
+        doc = docs[key]
         value: Any = values
         for part in key.split("."):
             value = value[part]
         is_section = any(k.startswith(key + ".") for k in docs)
         table.add_row(Text(key, style="bold" if is_section else ""), Text("" if is_section else inline_yaml(value)),
                       Text(doc))  # Text: brackets in values and docs are not markup
-    Console().print(table)
+    table_console().print(table)
     return 0
 
 
@@ -206,7 +217,6 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_rewards(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
@@ -220,7 +230,7 @@ def cmd_rewards(args: argparse.Namespace) -> int:
         table.add_row(entry.name, info.get("kind", "pointwise"), info.get("modality", "any"),
                       escape(info.get("description", "")),  # "[lo, hi]" is text, not rich markup
                       escape(info.get("source", "built-in")))
-    Console(width=160).print(table)
+    table_console().print(table)
     return 0
 
 
@@ -363,10 +373,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> str:
+    """``warnings.formatwarning`` for the command line: the category and the message, without the source line
+    that raised it."""
+    return f"{category.__name__}: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    warnings.formatwarning = one_line_warning
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # a second Ctrl-C, after the run's own handler saved and began to stop
+        print("interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT.value
     except (ConfigError, RegistryError) as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

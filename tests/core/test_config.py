@@ -373,6 +373,33 @@ def test_config_command_shows_resolved_values_with_their_docs(capsys, monkeypatc
     assert main(["config", "vlm", "seed=1"]) == 2
 
 
+def test_config_command_piped_keeps_rows_whole_and_says_when_nothing_matches(capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # output to a pipe (capsys), no width given
+    assert main(["config", "flow", "--grep", "train.max_steps"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "train.max_steps" in line)
+    assert "Optimiser steps to run in total" in row  # rich wrapped the description at 80 columns
+    assert main(["config", "flow", "--grep", "zzzz"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.strip() == ("no option of flow pipeline defaults (??? = required) "
+                                                          "matches 'zzzz' (in its key or its description)")
+
+
+def test_a_second_ctrl_c_is_one_line_and_warnings_have_no_source_line(capsys, monkeypatch):
+    import warnings
+
+    from mmgrpo import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_rewards", interrupted)
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main sets the CLI's; undone after
+    assert cli.main(["rewards"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    line = warnings.formatwarning("a clip could not be decoded: skipped", UserWarning, "data.py", 7, "src line")
+    assert line == "UserWarning: a clip could not be decoded: skipped\n"
+
+
 def test_yaml_scalars_follow_the_yaml_1_2_core_schema(tmp_path):
     """PyYAML reads YAML 1.1: ``010`` was octal 8, ``12:30`` base-60 750, ``on``/``yes``/``off``/``no`` booleans
     (a string key given ``on`` held 'True') and ``2024-01-01`` a date. The YAML 1.2 core schema reads decimal
