@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -145,12 +146,19 @@ def plot_metrics(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         ax.set_xlabel("optimiser step")
         ax.set_title(key)
         ax.grid(alpha=0.3)
-        path = out_dir / (key.replace("/", "_") + ".png")
+        path = out_dir / plot_file_name(key)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             fig.savefig(path)
         written.append(path)
     return written
+
+
+def plot_file_name(key: str) -> str:
+    """The PNG file name of metric ``key``: each run of characters other than letters, digits, ``.``, ``_`` and
+    ``-`` becomes ``_`` (a reward named by its file, ``my_rewards.py:redness``, puts ``:`` and ``/`` in keys, which
+    Windows and sync tools refuse in file names)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("_") + ".png"
 
 
 def redraw_due(first_step: int, last_step: int, every: int, spent_s: float, elapsed_s: float,

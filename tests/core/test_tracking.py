@@ -9,7 +9,15 @@ import pytest
 from toy_bandit import ToyConfig
 
 from mmgrpo.config import load_config
-from mmgrpo.tracking import MetricsLog, print_whole, read_metrics, redraw_due, summary_table
+from mmgrpo.tracking import (
+    MetricsLog,
+    plot_file_name,
+    plot_metrics,
+    print_whole,
+    read_metrics,
+    redraw_due,
+    summary_table,
+)
 from mmgrpo.trainer import Trainer
 
 ROWS = [{"step": 1, "loss": 0.5, "reward/mean": 0.25, "eval/accuracy": float("nan")},
@@ -101,6 +109,13 @@ def test_the_summary_table_keeps_long_metric_names_whole_off_a_terminal(capsys):
     lines = capsys.readouterr().out.splitlines()
     row = next(line for line in lines if long in line)
     assert "2.782e-06" in next(line for line in lines if "loss" in line) and len(row) > 80
+
+
+def test_plots_of_rewards_named_by_file_have_portable_file_names(tmp_path):
+    key = "reward//tmp/journey/my_rewards.py:redness/mean"
+    assert plot_file_name(key) == "reward_tmp_journey_my_rewards.py_redness_mean.png"
+    written = plot_metrics([{"step": 1, key: 0.5}, {"step": 2, key: 0.7}], tmp_path)
+    assert [p.name for p in written if "redness" in p.name] == ["reward_tmp_journey_my_rewards.py_redness_mean.png"]
 
 
 def test_a_redraw_is_due_at_a_multiple_of_plot_every_while_redraws_stay_within_their_share():
