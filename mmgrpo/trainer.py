@@ -646,7 +646,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Score one sample per held-out item (EMA weights when enabled); save them to samples/step-N.
 
-        Held-out items are split over processes and the scores gathered, so every process must call this."""
+        Held-out items are split over processes and the scores gathered, so every process must call this. Each
+        score's mean is over the samples of the processes whose rewards reported it (NaN: does not apply)."""
         acc = self.accelerator
         items = self.eval_items[acc.process_index::acc.num_processes]
         with self.ema.swapped_in() if self.ema is not None else nullcontext(), acc.autocast():
@@ -654,9 +655,11 @@ class Trainer:
         _, logged, _ = self.rewards(batch, only=self.rewards.evaluation_names)
         if acc.is_main_process:
             self.policy.save_samples(batch, self.run_dir / "samples", f"step-{self.step}")
+        # one gather of every score: the processes' rewards may report different sub-scores
+        parts = gather_object([{name: scores.tolist() for name, scores in logged.items()}])
         means = {}
-        for name in sorted(logged):
-            scores = torch.tensor(gather_object(logged[name].tolist()), dtype=torch.float64)
+        for name in sorted({name for part in parts for name in part}):
+            scores = torch.tensor([x for part in parts for x in part.get(name, [])], dtype=torch.float64)
             means[f"eval/{name}/mean"] = scores.nanmean().item()
         return means
 

@@ -767,3 +767,14 @@ def test_dynamic_sampling_without_the_mask_is_refused_before_the_model_loads(tmp
     monkeypatch.setattr(mmgrpo.trainer, "build_policy", no_model)
     with pytest.raises(ConfigError, match=message):
         Trainer(toy(tmp_path, *overrides))
+
+
+def test_evaluation_gathers_sub_scores_that_only_some_processes_report(launch_two_processes, tmp_path):
+    """evaluate() gathered each of its own process's score names in turn: a sub-score that one process's reward
+    reported and another's did not made the processes run different numbers of gathers, which paired one name's
+    scores with another's or with the next collective. The 8 held-out items split 4 and 4: 'score' is 1 on rank 0
+    and 0 on rank 1, 'extra' (0.5) comes from rank 0 only."""
+    result = launch_two_processes("ddp_eval_check.py", tmp_path / "run")
+    assert result["eval/ddp_eval_check:uneven/score/mean"] == pytest.approx(0.5)
+    assert result["eval/ddp_eval_check:uneven/extra/mean"] == pytest.approx(0.5)
+    assert 0.0 <= result["eval/toy_bandit:match_reward/mean"] <= 1.0
