@@ -650,9 +650,14 @@ class Trainer:
         score's mean is over the samples of the processes whose rewards reported it (NaN: does not apply)."""
         acc = self.accelerator
         items = self.eval_items[acc.process_index::acc.num_processes]
-        with self.ema.swapped_in() if self.ema is not None else nullcontext(), acc.autocast():
+        held: list[RunError] = []  # a RunError is raised on every process (_stop_together)
+        with self._holding(held, others_wait=self.rollout_is_collective), \
+                self.ema.swapped_in() if self.ema is not None else nullcontext(), acc.autocast():
             batch = self.policy.generate(items)
-        _, logged, _ = self.rewards(batch, only=self.rewards.evaluation_names)
+        if not held:
+            with self._holding(held):
+                _, logged, _ = self.rewards(batch, only=self.rewards.evaluation_names)
+        self._stop_together(held)
         if acc.is_main_process:
             self.policy.save_samples(batch, self.run_dir / "samples", f"step-{self.step}")
         # one gather of every score: the processes' rewards may report different sub-scores
@@ -825,8 +830,14 @@ class Trainer:
                 out_of_time = self._budget_spent(self.train_seconds + t3 - t0)
                 last = self.step >= cfg.train.max_steps or out_of_time
                 every = cfg.train.eval_every
+                failed_eval = None
                 if every and (self.step // every != (self.step - len(rows)) // every or last):
-                    rows[-1].update(self.evaluate())
+                    try:
+                        rows[-1].update(self.evaluate())
+                    except RunError as err:  # after training: log the steps and save them before it goes up
+                        if not self.failure_agreed:
+                            raise
+                        failed_eval = err
                 for i, row in enumerate(rows):
                     row.update(iteration_metrics)
                     row.update({"time/train_s": (t3 - t2) / len(rows), "time/step_s": (t3 - t0) / len(rows),
@@ -834,6 +845,10 @@ class Trainer:
                     rows[i] = self.reduce_metrics(row)
                 self._emit(rows, log, bar)
                 self.train_seconds += time.perf_counter() - t0
+                if failed_eval is not None:
+                    self.save_checkpoint()
+                    acc.print(f"saved step {self.step} before stopping: resume=latest continues from there")
+                    raise failed_eval
                 every = cfg.train.save_every
                 if every and self.step // every != (self.step - len(rows)) // every:
                     t4 = time.perf_counter()

@@ -683,6 +683,9 @@ def test_a_failure_on_one_process_saves_once_on_every_process_and_stops_them_tog
     assert "(rank 0)" in refill["raised"][0] and refill["raised"][1].startswith("process 0 stopped the run")
     both = result["both"]
     assert both["checkpoints"] == ["step-2"] and all(f"(rank {r})" in both["raised"][r] for r in (0, 1)), both
+    evaluation = result["eval"]  # after the 4th step trained: logged and saved too
+    assert evaluation["checkpoints"] == ["step-4"] and evaluation["steps"] == [1, 2, 3, 4], evaluation
+    assert evaluation["raised"][0].startswith("process 1 stopped the run: ")
 
 
 def test_a_policy_state_turned_on_at_a_resume_starts_from_the_restored_weights(tmp_path):
@@ -778,3 +781,22 @@ def test_evaluation_gathers_sub_scores_that_only_some_processes_report(launch_tw
     assert result["eval/ddp_eval_check:uneven/score/mean"] == pytest.approx(0.5)
     assert result["eval/ddp_eval_check:uneven/extra/mean"] == pytest.approx(0.5)
     assert 0.0 <= result["eval/toy_bandit:match_reward/mean"] <= 1.0
+
+
+def test_a_reward_failing_in_the_in_loop_evaluation_keeps_the_trained_steps(tmp_path):
+    """The in-loop evaluation comes after the iteration's training: a reward that failed there (a judge server gone)
+    stopped the run before the iteration's metrics were logged and without saving, so every step since the last
+    checkpoint was lost. Now the rows are logged (without the evaluation), the step is saved, and the error goes up."""
+    (tmp_path / "flaky_reward.py").write_text(
+        "calls = [0]\n\n\ndef fn(batch):\n    calls[0] += 1\n    if calls[0] == 6:\n"
+        "        raise ConnectionError('the judge server is gone')\n    return [1.0] * len(batch.prompts)\n")
+    rewards = f"rewards=[{{name: toy_bandit:match_reward}}, {{name: '{tmp_path}/flaky_reward.py:fn', weight: 0}}]"
+    run = tmp_path / "run"
+    common = ["train.max_steps=6", "train.save_every=0", "train.eval_every=2", rewards]
+    with pytest.raises(RunError, match="the judge server is gone"):  # calls: 2 steps, then their evaluation...
+        Trainer(toy(run, *common)).train()
+    assert [p.name for _, p in checkpoint_dirs(run)] == ["step-4"]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "eval/toy_bandit:match_reward/mean" not in rows[-1]
+    Trainer(toy(run, *common, "resume=latest")).train()
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]

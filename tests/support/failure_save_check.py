@@ -1,12 +1,14 @@
 """Run under ``accelerate launch`` with two processes: a RunError that only some processes raise before a step
-trains (a reward that fails on one of them) stops every process at the same step, after one checkpoint of the steps
-trained so far, and nobody waits for a process that is gone. Writes OUT.json with, per scenario, what each rank
-raised, the checkpoints and the logged steps; ``resumed``: the steps of a resume of the first scenario's run.
+trains or in its evaluation (a reward that fails on one of them) stops every process at the same step, after one
+checkpoint of the steps trained so far, and nobody waits for a process that is gone. Writes OUT.json with, per
+scenario, what each rank raised, the checkpoints and the logged steps; ``resumed``: the steps of a resume of the
+first scenario's run.
 
 - ``reward``: rank 1's zero-weight reward fails at its 4th call (save_every=0: 3 steps to save).
 - ``refill``: rank 0's reward fails at its 5th call, in the first refill round of the second iteration, while rank
   1 goes on to the round's agreement on how many groups are missing.
 - ``both``: both ranks' rewards fail at their 3rd call.
+- ``eval``: rank 1's reward fails in the in-loop evaluation after step 4 (its 6th call), after training.
 
 Usage: failure_save_check.py OUT.json RUN_DIR
 """
@@ -78,7 +80,8 @@ if __name__ == "__main__":
               "grpo.mask_zero_std_groups=true", "grpo.refill_rounds=2",
               "rewards=[{name: 'failure_save_check:flaky'}]"]
     result["refill"], _ = run(acc, root / "refill", {0: 5}, *refill)
-    result["both"], last = run(acc, root / "both", {0: 3, 1: 3}, rewards)
+    result["both"], _ = run(acc, root / "both", {0: 3, 1: 3}, rewards)
+    result["eval"], last = run(acc, root / "eval", {1: 6}, rewards, "train.eval_every=2")
     if acc.is_main_process:
         Path(out_path).write_text(json.dumps(result))
     last.close()
