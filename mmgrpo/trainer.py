@@ -178,7 +178,8 @@ class Trainer:
         self.rollout_is_collective = acc.num_processes > 1 and sharded_parameters(acc)
         """Whether every rollout forward gathers sharded weights from all processes (FSDP, ZeRO-3)."""
         self.failure_agreed = False
-        """Whether every process stopped at the same RunError of a rollout or reward (:meth:`_stop_together`)."""
+        """Whether every process stopped at the same RunError of a rollout, reward or evaluation
+        (:meth:`_stop_together`), so that they can save together."""
         self.interrupted: str | None = None
         """The signal (SIGINT, SIGTERM) that ended :meth:`train` early, after saving a checkpoint; None otherwise."""
 
