@@ -206,7 +206,8 @@ class TrainConfig:
     """Evaluate on the held-out split every this many optimiser steps; 0 disables in-loop evaluation."""
     max_minutes: float = ranged(0.0, low=0)
     """Wall-clock budget of training in minutes (rollouts, rewards, updates, in-loop evaluation and checkpoints;
-    summed over resumes), checked between iterations; 0: none, max_steps alone ends the run. A decaying lr
+    summed over resumes), checked when an iteration's training ends (that iteration is still evaluated and saved);
+    0: none, max_steps alone ends the run. A decaying lr
     schedule (cosine, linear, ...) is re-planned to reach its end where the budget is projected to end (at most
     max_steps), so a slower machine stops with the lr decayed instead of part-way down its schedule. The run
     still ends at max_steps if that comes first."""

@@ -480,6 +480,11 @@ class VLMPolicy(Policy):
     def load_training_state(self, state: dict[str, torch.Tensor]) -> None:
         self.care_reference.load_state_dict(state)
 
+    def restart_training_state(self) -> None:
+        """GRPO-CARE turned on at this resume: its reference starts from the restored weights."""
+        if self.care_reference is not None:
+            self.care_reference.restart()
+
     def max_units(self) -> int:
         """``generation.max_new_tokens``: a rollout's width is its longest completion, which varies."""
         return self.cfg.generation.max_new_tokens

@@ -232,3 +232,21 @@ def test_training_is_on_policy_and_a_resume_restores_the_reference(tmp_path):
     assert all(torch.equal(state[n], saved[n]) for n in saved)
     assert any(not torch.equal(fresh[n], saved[n]) for n in saved)  # it moved in training, and was restored
     resumed.close()
+
+
+def test_care_turned_on_at_a_resume_starts_its_reference_from_the_restored_weights(tmp_path):
+    cfg = care_config(tmp_path, "train.max_steps=2", "train.save_every=2", "optim.lr=0.01")
+    length = RewardSpec(name="length", args={"max_len": 5, "slack": 20})  # varies on the random model: weights move
+    plain = replace(cfg, care=replace(cfg.care, enabled=False), rewards=[length])
+    trainer = Trainer(plain)
+    trainer.train()
+    trainer.close()
+    assert not (tmp_path / "checkpoints" / "step-2" / POLICY_STATE_FILE).exists()  # a run without CARE keeps none
+    resumed = Trainer(replace(cfg, resume="latest", rewards=[length, *cfg.rewards]))
+    fresh = {n: t.clone() for n, t in resumed.policy.training_state().items()}
+    resumed.load_checkpoint(tmp_path / "checkpoints" / "step-2")
+    params = dict(resumed.policy.model.named_parameters())
+    state = resumed.policy.training_state()
+    assert all(torch.equal(state[n], params[n].detach().float()) for n in state)  # the restored weights
+    assert any(not torch.equal(fresh[n], state[n]) for n in state)  # not the initial ones
+    resumed.close()
