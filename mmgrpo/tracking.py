@@ -18,9 +18,12 @@ HEADLINE = ("reward/mean", "loss", "kl", "entropy", "ratio/mean", "ratio/onpolic
 
 
 def headline_keys(rows: list[dict[str, Any]]) -> list[str]:
-    """The headline metrics present in ``rows``, then every reward and eval metric, in a stable order."""
+    """The headline metrics present in ``rows``, then every reward and eval metric, in a stable order; a
+    ``nan_frac`` (a reward's share of NaN scores) only when it is not 0 in some row."""
     keys = [k for k in HEADLINE if any(k in r for r in rows)]
-    return keys + sorted({k for r in rows for k in r if k.startswith(("reward/", "eval/")) and k not in keys})
+    extra = {k for r in rows for k in r if k.startswith(("reward/", "eval/")) and k not in keys}
+    quiet = {k for k in extra if k.endswith("/nan_frac") and not any(r.get(k) for r in rows)}
+    return keys + sorted(extra - quiet)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -879,7 +879,8 @@ class Trainer:
     def _reward_metrics(self, main: torch.Tensor, logged: dict[str, torch.Tensor]) -> dict[str, float]:
         """reward/mean (the weighted combination) and reward/<name>/mean for every reward and sub-score: means over
         the non-NaN scores of every process's samples (NaN when there is none), and reward/<name>/nan_frac, the
-        fraction of all samples with a NaN score, when it is not 0. Every process must call this."""
+        fraction of all samples with a NaN score (every step, so its series has no gaps; the summary and the plots
+        leave out a nan_frac that stays 0). Every process must call this."""
         columns = {"reward/mean": weighted_reward(main, self.rewards.weights),
                    **{f"reward/{name}": scores for name, scores in logged.items()}}
         local = {key: (v.double().nansum().item(), int((~v.isnan()).sum()), v.numel()) for key, v in columns.items()}
@@ -888,8 +889,8 @@ class Trainer:
         for key in dict.fromkeys(k for part in parts for k in part):  # a sub-score one process lacks: the others'
             total, valid, count = (sum(part[key][i] for part in parts if key in part) for i in range(3))
             out[key if key == "reward/mean" else f"{key}/mean"] = total / valid if valid else math.nan
-            if key != "reward/mean" and valid < count:
-                out[f"{key}/nan_frac"] = 1 - valid / count
+            if key != "reward/mean":
+                out[f"{key}/nan_frac"] = 1 - valid / count if count else 0.0
         return out
 
     def _emit(self, rows: list[dict[str, float]], log: MetricsLog | None, bar: tqdm) -> None:

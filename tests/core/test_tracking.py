@@ -11,6 +11,7 @@ from toy_bandit import ToyConfig
 from mmgrpo.config import load_config
 from mmgrpo.tracking import (
     MetricsLog,
+    headline_keys,
     plot_file_name,
     plot_metrics,
     print_whole,
@@ -109,6 +110,12 @@ def test_the_summary_table_keeps_long_metric_names_whole_off_a_terminal(capsys):
     lines = capsys.readouterr().out.splitlines()
     row = next(line for line in lines if long in line)
     assert "2.782e-06" in next(line for line in lines if "loss" in line) and len(row) > 80
+
+
+def test_the_summary_shows_a_nan_frac_only_when_it_was_not_always_0():
+    rows = [{"step": 1, "reward/a/nan_frac": 0.5, "reward/b/nan_frac": 0.0},
+            {"step": 2, "reward/a/nan_frac": 0.0, "reward/b/nan_frac": 0.0}]
+    assert [k for k in headline_keys(rows) if k.endswith("nan_frac")] == ["reward/a/nan_frac"]
 
 
 def test_plots_of_rewards_named_by_file_have_portable_file_names(tmp_path):

@@ -55,7 +55,9 @@ def test_reward_rises_and_first_ratio_is_exactly_one(tmp_path):
     required = {"step", "reward/mean", "loss", "ratio/mean", "ratio/onpolicy_max_dev", "clip_frac", "kl",
                 "time/rollout_s", "time/reward_s", "time/train_s"}
     assert required <= set(history[0]), required - set(history[0])
+    assert all(r["reward/toy_bandit:match_reward/nan_frac"] == 0.0 for r in history)  # a series without gaps
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "plots" / "reward_mean.png").is_file()
+    assert not list((tmp_path / "plots").glob("*nan_frac*"))  # always 0: not drawn
     assert (tmp_path / "checkpoints" / "step-25" / "policy" / "model.safetensors").is_file()
 
 
