@@ -120,14 +120,40 @@ def saved_config(path: Path) -> dict[str, Any]:
     return flatten(data)
 
 
+def torn_file(folder: Path) -> Path | None:
+    """The first file under ``folder`` whose container does not open: a ``.safetensors`` whose header does not
+    parse, a ``.bin`` / ``.pt`` / ``.pth`` that is not a torch zip archive, a ``.json`` that is not JSON. Only
+    headers and zip directories are read, so this is cheap on large checkpoints. None when all open."""
+    import zipfile
+
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        try:
+            if file.suffix == ".safetensors":
+                with safe_open(str(file), "pt"):
+                    pass
+            elif file.suffix in (".bin", ".pt", ".pth"):
+                zipfile.ZipFile(file).close()
+            elif file.suffix == ".json":
+                json.loads(file.read_text())
+        except (OSError, ValueError, zipfile.BadZipFile, SafetensorError):  # JSON and UTF-8 errors are ValueErrors
+            return file
+    return None
+
+
 def unreadable(path: Path, err: Exception, run_dir: Path) -> ConfigError:
-    """The one-line error for checkpoint ``path`` that ``err`` stopped reading, naming the checkpoint of ``run_dir``
-    before it to resume from instead."""
+    """The one-line error for checkpoint ``path`` that ``err`` stopped reading, naming the file in it that does not
+    open (:func:`torn_file`) and the checkpoint of ``run_dir`` before it to resume from instead."""
+    import textwrap
+
     earlier = [p for _, p in checkpoint_dirs(run_dir) if p.resolve() != path.resolve()]
     hint = f"; with it moved away, resume={earlier[-1]} resumes from the one before" if earlier else ""
-    first = (str(err).strip().splitlines() or [""])[0][:300]
+    first = textwrap.shorten((str(err).strip().splitlines() or [""])[0], 300, placeholder=" ...")
+    torn = torn_file(path) if path.is_dir() else None
+    where = f"; {torn.relative_to(path)} does not open" if torn is not None else ""
     return ConfigError(f"bad value for 'resume': checkpoint {path} cannot be read ({type(err).__name__}: "
-                       f"{first}){hint}")
+                       f"{first}{where}){hint}")
 
 
 def fixed_change(old: dict[str, Any], new: dict[str, Any], path: Path, keys: tuple[str, ...] = FIXED_ON_RESUME

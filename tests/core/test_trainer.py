@@ -536,11 +536,14 @@ def test_resume_applies_a_changed_optimiser_config(tmp_path, capsys):
     assert all(g["weight_decay"] == 0.5 for g in trainer.optimizer.param_groups)
 
 
-def test_an_unreadable_checkpoint_is_one_line_naming_it_and_the_one_before(tmp_path):
+@pytest.mark.parametrize("name", ["policy/model.safetensors", "optimizer.bin"])
+def test_an_unreadable_checkpoint_is_one_line_naming_it_the_file_and_the_one_before(tmp_path, name):
     Trainer(toy(tmp_path, "train.max_steps=4", "train.save_every=2", "train.keep_last=0")).train()
-    (tmp_path / "checkpoints" / "step-4" / "policy" / "model.safetensors").write_bytes(b"not a safetensors file")
-    with pytest.raises(ConfigError, match=r"'resume': checkpoint .*step-4 cannot be read \(.*\); with it moved "
-                                          r"away, resume=.*step-2 resumes from the one before") as err:
+    torn = tmp_path / "checkpoints" / "step-4" / name
+    torn.write_bytes(torn.read_bytes()[:100])  # cut short, as a full disk leaves it
+    with pytest.raises(ConfigError, match=rf"'resume': checkpoint .*step-4 cannot be read \(.*; {name} does not "
+                                          r"open\); with it moved away, resume=.*step-2 resumes from the one "
+                                          r"before") as err:
         Trainer(toy(tmp_path, "train.max_steps=5", "resume=latest")).train()
     assert "\n" not in str(err.value)
 
