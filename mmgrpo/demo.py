@@ -578,15 +578,7 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
                              "eligible.\n")
     else:
         guard_note_failed = ""
-    ratio = after[spec.guard] / before[spec.guard]
-    kept = "within" if ratio >= GUARD_FLOOR else "OUTSIDE"
-    below = [k for k in guard_failures(after, before, spec.guard) if k != spec.guard]
-    parts = sum(k.startswith(spec.guard + "/") for k in before)
-    per_kind = (f" Per kind, {parts - len(below)} of {parts} parts are within it"
-                + (f"; OUTSIDE: {', '.join(f'`{k}`' for k in below)}" if below else "") + "." if parts else "")
-    guard_note = (f"`{spec.guard}` after training is {ratio:.0%} of the base model's, {kept} the 20% band the gain "
-                  f"is conditioned on.{per_kind}\n" if math.isfinite(before[spec.guard]) else
-                  f"`{spec.guard}` is not measurable on this held-out set, so no gain is conditioned on it.\n")
+    guard_note = held_out_guard_note(before, after, spec.guard)
     circular_note = ("`circular_accuracy` asks every multiple-choice question again under each rotation of its "
                      "options and counts it only if all are answered right, so an answer-letter habit gains nothing "
                      "there. A model trained on options in one fixed order (the shipped ShapesQA/MotionQA model) "
@@ -648,6 +640,23 @@ GRPO on the tiny shipped model, on CPU, with no downloads, trained with `{spec.p
 {sample_lines}
 {usage}"""
     (out / "report.md").write_text(text)
+
+
+def held_out_guard_note(before: dict[str, float], after: dict[str, float], guard: str) -> str:
+    """The report's line on the held-out ``guard`` measure after training as a share of the base model's, pooled
+    and per kind (``guard/<task>/<kind>``). A base at 0 (one answer everywhere) has no share to keep."""
+    if not math.isfinite(before[guard]):
+        return f"`{guard}` is not measurable on this held-out set, so no gain is conditioned on it.\n"
+    if before[guard] == 0:
+        return f"`{guard}` is 0 for the base model, so it has nothing to lose and no gain is conditioned on it.\n"
+    ratio = after[guard] / before[guard]
+    kept = "within" if ratio >= GUARD_FLOOR else "OUTSIDE"
+    below = [k for k in guard_failures(after, before, guard) if k != guard]
+    parts = sum(k.startswith(guard + "/") for k in before)
+    per_kind = (f" Per kind, {parts - len(below)} of {parts} parts are within it"
+                + (f"; OUTSIDE: {', '.join(f'`{k}`' for k in below)}" if below else "") + "." if parts else "")
+    return (f"`{guard}` after training is {ratio:.0%} of the base model's, {kept} the 20% band the gain "
+            f"is conditioned on.{per_kind}\n")
 
 
 def write_samples(out: Path, which: str, spec: DemoSpec, before: Any, after: Any) -> str:

@@ -309,3 +309,11 @@ def test_demo_clears_only_its_own_output(tmp_path, capsys):
     assert [p.name for p in earlier.iterdir()] == [demo.DEMO_MARKER]
     with pytest.raises(FileExistsError, match="refusing to clear"):
         demo.clear_output_dir(precious / "notes.txt")
+
+
+def test_report_guard_note_survives_a_base_that_answers_one_letter():
+    # a base model that answers one letter everywhere has answer diversity 0: the report must still be written
+    note = demo.held_out_guard_note({"answer_diversity": 0.0}, {"answer_diversity": 0.4}, "answer_diversity")
+    assert "`answer_diversity` is 0 for the base model" in note
+    assert "within" in demo.held_out_guard_note({"diversity": 20.0}, {"diversity": 17.0}, "diversity")
+    assert "OUTSIDE" in demo.held_out_guard_note({"diversity": 20.0}, {"diversity": 15.0}, "diversity")
