@@ -303,13 +303,14 @@ def panel_shifts(width: int, max_panels: int, tolerance: float) -> tuple[list[in
 
 
 def repetition_evidence(detail: torch.Tensor, max_panels: int, tolerance: float) -> torch.Tensor:
-    """(B, H, W) detail -> (B,): how much better the image matches itself moved by a panel offset than moved by
-    any off-panel shift (:func:`panel_shifts`), clamped at 0. A tiling of copies matches at its panel width
-    (about 1) and nowhere else; a photo matches nowhere; a fine periodic texture matches everywhere alike."""
+    """(B, H, W) detail -> (B,) in [0, 1]: how much better the image matches itself moved by a panel offset than
+    moved by any off-panel shift (:func:`panel_shifts`), clamped at 0. A tiling of copies matches at its panel
+    width (about 1) and nowhere else; a photo matches nowhere; a fine periodic texture matches everywhere alike.
+    The best off-panel match counts from 0: an anti-match (stripes half a period off) is no evidence of tiling."""
     on_panel, off_panel = panel_shifts(detail.shape[-1], max_panels, tolerance)
     similarity = shift_similarities(detail)  # [..., s - 1] for shift s
     on = similarity[..., [s - 1 for s in on_panel]].amax(-1)
-    off = similarity[..., [s - 1 for s in off_panel]].amax(-1)
+    off = similarity[..., [s - 1 for s in off_panel]].amax(-1).clamp(min=0)
     return (on - off).clamp(min=0)
 
 

@@ -419,3 +419,22 @@ def test_tile_repetition_checks_its_inputs():
         build_reward("tile_repetition", {"detail_width": 1})
     with pytest.raises(ValueError, match="max_side must be >= 32 pixels"):
         build_reward("tile_repetition", {"max_side": 16})
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(6, 16), st.integers(2, 4), st.floats(0.0, 1.0))
+def test_tile_repetition_stays_in_0_1_on_stripes(period, panels, phase):
+    """Stripes whose period is a panel width match at the panel offsets (1) and anti-match at every off-panel
+    shift (-0.7 for period 8 at 32 px): an anti-match is no evidence, so the score stays at most 1, as documented
+    (it reached 1.54 there)."""
+    width = max(32, period * panels)
+    x = 0.5 + 0.5 * torch.cos(2 * torch.pi * (torch.arange(width) / period + phase))
+    stripes = x.view(1, 1, 1, width).expand(1, 3, width, width).contiguous()
+    value = score("tile_repetition", stripes).item()
+    assert 0.0 <= value <= 1.0, value
+
+
+def test_tile_repetition_of_period_8_stripes_at_32_px_is_at_most_1():
+    x = 0.5 + 0.5 * torch.cos(2 * torch.pi * torch.arange(32) / 8)
+    value = score("tile_repetition", x.view(1, 1, 1, 32).expand(1, 3, 32, 32).contiguous()).item()
+    assert 0.9 < value <= 1.0, value  # matches at 8 px (edges of the detail map aside) and nowhere else
