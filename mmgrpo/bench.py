@@ -7,6 +7,7 @@ fix the thread count, which :func:`machine_info` records in the output.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -70,8 +71,9 @@ def run_bench(name: str, out: str | None, threads: int | None = None,
         raise ValueError(f"benchmark '{name}' always runs all its cases; --only is for a suite that selects "
                          "(learning)")
     if out:  # checked before the minutes of measuring, whose results would be lost
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        if Path(out).is_dir() or not os.access(Path(out).parent, os.W_OK):
+        with contextlib.suppress(OSError):  # a file in the way, or no permission: the check below names --out
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+        if Path(out).is_dir() or not Path(out).parent.is_dir() or not os.access(Path(out).parent, os.W_OK):
             raise ValueError(f"--out {out}: cannot write a file there")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)

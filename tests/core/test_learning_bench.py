@@ -61,3 +61,11 @@ def test_a_bad_bench_selection_exits_2_before_running(argv, message, capsys):
 
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith(message)
+
+
+def test_an_out_path_under_a_file_is_a_one_line_error_before_running(tmp_path, capsys):
+    from mmgrpo.cli import main
+
+    (tmp_path / "notes.txt").write_text("")
+    assert main(["bench", "rewards", "--out", str(tmp_path / "notes.txt" / "B.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"--out {tmp_path / 'notes.txt' / 'B.json'}: cannot write")
