@@ -64,6 +64,11 @@ def _error_text(err: Exception) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())
 
 
+def _import_name(obj: Any) -> str:
+    """``module:qualname`` of a function or class (the form of an entry point's value); "" for other objects."""
+    return f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}"
+
+
 def _import_file(file: Path) -> ModuleType:
     """Import a Python file under a module name derived from its absolute path, once (later calls reuse it)."""
     file = file.resolve()
@@ -85,7 +90,7 @@ def import_path(path: str) -> Any:
     """Resolve ``package.module:attribute`` or ``path/to/file.py:attribute`` (relative to the current directory, or
     absolute) to the object it names; the attribute may be dotted."""
     module_name, _, attr = path.rpartition(":")
-    if not module_name or not attr:
+    if not module_name or not all(part.isidentifier() for part in attr.split(".")):  # 'C:\\rewards.py' names none
         raise RegistryError(f"'{path}' is not an import path of the form package.module:attribute or "
                             "path/to/file.py:attribute")
     try:
@@ -112,7 +117,8 @@ class Registry:
 
     ``entry_point_group`` names a packaging entry-point group (for example ``mmgrpo.rewards``) whose entries are
     added the first time the registry is read, so installed plug-in packages register themselves; their listing
-    facts come from :func:`plugin_info`, as for a ``module:attr`` path.
+    facts come from :func:`plugin_info`, as for a ``module:attr`` path. One whose name is taken (by a built-in or an
+    earlier plug-in) is skipped with a warning.
     ``builtin_modules`` are imported lazily on first read, so that registering does not import heavy libraries at
     ``import mmgrpo`` time.
     """
@@ -144,7 +150,12 @@ class Registry:
             importlib.import_module(module)
         if self.entry_point_group:
             for ep in metadata.entry_points(group=self.entry_point_group):
-                if ep.name in self._entries:
+                if ep.name in self._entries:  # a built-in, or a plug-in met earlier on sys.path
+                    if _import_name(self._entries[ep.name].obj) == ep.value:  # the plug-in registered itself
+                        continue
+                    warnings.warn(f"{self.kind} entry point {ep.name} = {ep.value} is skipped: '{ep.name}' is "
+                                  f"already a {self.kind} (use '{ep.value}' to reach the plug-in)", RuntimeWarning,
+                                  stacklevel=3)
                     continue
                 try:
                     obj = ep.load()

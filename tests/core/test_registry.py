@@ -1,4 +1,5 @@
 import sys
+import warnings
 
 import pytest
 
@@ -93,3 +94,54 @@ def test_a_reward_file_works_through_the_zoo(tmp_path):
     batch = RewardBatch(prompts=["p", "p"], group=torch.tensor([0, 0]), completions=["ab", "abcd"])
     main, _, _ = zoo(batch)
     assert main[:, 0].tolist() == [2.0, 4.0]
+
+
+@pytest.mark.parametrize("path", [r"C:\Users\me\rewards.py", "C:/Users/me/rewards.py", "my_rewards.py:",
+                                  "pkg.mod:fn()"])
+def test_a_file_or_drive_path_without_an_attribute_says_so(path):
+    """'C:\\...\\rewards.py' split at the drive's colon into module 'C' and attribute '\\...\\rewards.py': the error
+    was 'cannot import module C', about a module nobody named."""
+    with pytest.raises(RegistryError) as err:
+        Registry("widget").get(path)
+    msg = str(err.value)
+    assert msg.startswith(f"'{path}' is not an import path of the form package.module:attribute or "
+                          "path/to/file.py:attribute") and "\n" not in msg and "module 'C'" not in msg
+
+
+def _install(site, dist, group, entries):
+    """A distribution ``dist`` in the folder ``site`` (put on sys.path) with entry points ``name = value``."""
+    info = site / f"{dist}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
+
+
+def test_an_entry_point_whose_name_is_taken_is_skipped_with_a_warning(tmp_path, monkeypatch):
+    """A plug-in named like a built-in, or like another plug-in, was skipped in silence: a run asking for it got the
+    other component and no word about it."""
+    (tmp_path / "widget_plugins_mod.py").write_text("def one():\n    return 1\n\ndef two():\n    return 2\n")
+    _install(tmp_path, "plugin_a", "mmgrpo.test_widgets", {"answer": "widget_plugins_mod:one",
+                                                          "shared": "widget_plugins_mod:one"})
+    _install(tmp_path, "plugin_b", "mmgrpo.test_widgets", {"shared": "widget_plugins_mod:two"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry("widget", entry_point_group="mmgrpo.test_widgets")
+    reg.register("answer", sample_factory)
+    with pytest.warns(RuntimeWarning) as caught:
+        names = reg.names()
+    assert names == ["answer", "shared"] and reg.build("answer") == 42
+    kept = reg.entry("shared").info["source"].removeprefix("entry point ")
+    skipped = ({"widget_plugins_mod:one", "widget_plugins_mod:two"} - {kept}).pop()
+    assert sorted(str(w.message) for w in caught) == [
+        f"widget entry point {name} = {value} is skipped: '{name}' is already a widget (use '{value}' to reach "
+        "the plug-in)" for name, value in (("answer", "widget_plugins_mod:one"), ("shared", skipped))]
+
+
+def test_an_entry_point_to_the_object_registered_under_its_name_is_not_a_clash(tmp_path, monkeypatch):
+    """A plug-in whose module registers itself too, imported before the registry is read, is the same component."""
+    _install(tmp_path, "plugin_c", "mmgrpo.test_widgets", {"answer": f"{__name__}:sample_factory"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry("widget", entry_point_group="mmgrpo.test_widgets")
+    reg.register("answer", sample_factory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reg.names() == ["answer"]
