@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,9 +16,12 @@ class GroupSampler:
     Each step takes ``prompts_per_step`` items from a seeded permutation of the dataset (reshuffled per epoch,
     identical on every process); process ``rank`` takes a contiguous slice of ``prompts_per_step / world_size``
     of them and samples all G outputs of each itself. Group ids are global and unique over the run:
-    ``step_index * prompts_per_step + j``.
+    ``step_index * prompts_per_step + j``. A step that runs past the end of an epoch continues in the next one,
+    whose order puts last the items the step already holds (``held_back``): a step of at most ``num_items``
+    prompts never draws one twice, and every epoch draws every item once.
 
-    The state (``epoch``, ``position``, ``steps``) is saved in checkpoints, so a resumed run sees the same prompts.
+    The state (``epoch``, ``position``, ``steps``, ``held_back``) is saved in checkpoints, so a resumed run sees
+    the same prompts.
     """
 
     num_items: int
@@ -29,6 +32,7 @@ class GroupSampler:
     epoch: int = 0
     position: int = 0
     steps: int = 0
+    held_back: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.num_items < 1:
@@ -41,6 +45,12 @@ class GroupSampler:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_items, generator=g).tolist()
 
+    def _epoch_order(self) -> list[int]:
+        """The current epoch's item order: its permutation with the ``held_back`` items moved last (stable)."""
+        held = set(self.held_back)
+        order = self._order(self.epoch)
+        return [i for i in order if i not in held] + [i for i in order if i in held]
+
     def next(self, count: int | None = None) -> tuple[list[int], list[int]]:
         """(local item indices, their global group ids) for the next rollout of ``count`` prompts in all
         (``prompts_per_step`` when None; at most that, and divisible by the processes: dynamic sampling's refill
@@ -50,11 +60,11 @@ class GroupSampler:
             raise ValueError(f"a rollout of {count} prompts over {self.world_size} processes (at most "
                              f"{self.prompts_per_step}, divisible by the processes)")
         chosen: list[int] = []
-        order = self._order(self.epoch)
+        order = self._epoch_order()
         while len(chosen) < count:
             if self.position == self.num_items:
-                self.epoch, self.position = self.epoch + 1, 0
-                order = self._order(self.epoch)
+                self.epoch, self.position, self.held_back = self.epoch + 1, 0, list(chosen)
+                order = self._epoch_order()
             take = min(count - len(chosen), self.num_items - self.position)
             chosen += order[self.position:self.position + take]
             self.position += take
@@ -64,8 +74,10 @@ class GroupSampler:
         self.steps += 1
         return chosen[lo:lo + per_rank], ids
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "steps": self.steps}
+    def state_dict(self) -> dict[str, int | list[int]]:
+        return {"epoch": self.epoch, "position": self.position, "steps": self.steps,
+                "held_back": list(self.held_back)}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, int | list[int]]) -> None:
         self.epoch, self.position, self.steps = state["epoch"], state["position"], state["steps"]
+        self.held_back = list(state.get("held_back", []))  # none in checkpoints from before: the plain order
