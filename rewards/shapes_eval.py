@@ -95,7 +95,9 @@ def shape_features(crop: np.ndarray) -> np.ndarray:
     u = (np.arange(w)[None, :] + 0.5) / w
 
     def fill(region: np.ndarray) -> float:
-        return float(crop[np.broadcast_to(region, crop.shape)].mean())
+        """NaN for an empty region (a box of at most 3 px a side): no shape rule matches it."""
+        pixels = crop[np.broadcast_to(region, crop.shape)]
+        return float(pixels.mean()) if pixels.size else float("nan")
 
     top = (fill(u + v < CORNER) + fill(1 - u + v < CORNER)) / 2
     bottom = (fill(u + 1 - v < CORNER) + fill(2 - u - v < CORNER)) / 2
@@ -159,7 +161,8 @@ class SharedDetections:
     """:func:`detect_objects` of the last batch, shared by the ShapesT2I rewards: a zoo scores one batch with
     several of them (concurrently, from its threads) and the detection is most of their cost, so it runs once per
     batch. The cache holds a weak reference to ``batch.images`` and its version counter: another tensor, or the
-    same one modified in place, is detected again."""
+    same one modified in place, is detected again. An inference tensor (made in ``torch.inference_mode()``) has no
+    version counter and is detected each time."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -170,6 +173,8 @@ class SharedDetections:
     def __call__(self, batch: RewardBatch, reward: str) -> tuple[list[list[dict]], torch.Tensor]:
         """:func:`detect_objects` of ``batch.images`` (checked as ``reward``'s input); the result is read-only."""
         images = batch.images
+        if images is None or images.is_inference():
+            return detect_objects(images_or_raise(batch, reward))
         with self._lock:
             cached = self._images is not None and self._images() is images and images._version == self._version
             if not cached:

@@ -1,5 +1,8 @@
 """shapes_eval: near-perfect on true renders, 0 on every kind of wrong or gamed image, robust to blur and noise."""
 
+import gc
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -208,3 +211,41 @@ def test_the_three_rewards_detect_a_batch_once_and_a_changed_batch_again(heldout
     assert second["shapes_eval/score"][2] == 0 and first["shapes_eval/score"][2] == 1
     for key in second:
         torch.testing.assert_close(second[key], third[key], rtol=0, atol=0, equal_nan=True)
+
+
+def test_images_made_under_inference_mode_are_scored(heldout):
+    """Images made in ``torch.inference_mode()`` have no version counter; the shared detection must not need one
+    (it raised 'Inference tensors do not track version counter') and scores them as the same images made outside."""
+    images, specs = heldout
+    images, specs = images[:2], specs[:2]
+    with torch.inference_mode():
+        frozen = images.clone()
+    expected = score(images.clone(), specs)
+    got = score(frozen, specs)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0)
+    with torch.inference_mode():
+        frozen[0] = 0.0  # in place, inside inference mode: no stale detection
+    assert score(frozen, specs)["score"][0] == 0 and expected["score"][0] == 1
+
+
+def test_tiny_objects_are_unknown_shapes_without_warnings():
+    """A 2x2-pixel object has no pixel in its corner triangles: its shape is unknown (None), with no 'Mean of empty
+    slice' RuntimeWarning per object."""
+    image = torch.zeros(1, 3, 16, 16)
+    image[0, :, 5:7, 5:7] = torch.tensor([1.0, 0.0, 0.0]).view(3, 1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        objects, _ = detect_objects(image)
+    assert [o["shape"] for o in objects[0]] == [None]
+
+
+def test_a_batch_without_images_after_a_freed_one_is_a_clear_error():
+    """Once the last detected tensor is freed, its weak reference reads None, like the images of a text batch:
+    that must not count as cached (it raised AttributeError: 'NoneType' object has no attribute '_version')."""
+    EVAL(RewardBatch(prompts=["a red circle"], group=torch.zeros(1, dtype=torch.long),
+                     images=torch.zeros(1, 3, 64, 64), meta=[{}]))
+    gc.collect()
+    text = RewardBatch(prompts=["a red circle"], group=torch.zeros(1, dtype=torch.long), completions=["x"], meta=[{}])
+    with pytest.raises(ValueError, match="shapes_eval"):
+        EVAL(text)
