@@ -247,17 +247,28 @@ def val_source(spec: DemoSpec) -> str:
 
 DEMO_MARKER = ".mmgrpo-demo"
 """Written first into a demo's output folder, so that a demo stopped before its report can still be cleared."""
-DEMO_OUTPUTS = (DEMO_MARKER, "demo.json", "report.md")
-"""Files that mark a folder as an earlier demo's output, which a new run may clear."""
+DEMO_JSON_KEYS = {"task", "metric", "before", "after", "minutes"}
+"""The keys of demo.json."""
+
+
+def is_demo_output(out: Path) -> bool:
+    """Whether folder ``out`` is an earlier demo's output: it has :data:`DEMO_MARKER`, or (a demo from before the
+    marker) a demo.json with :data:`DEMO_JSON_KEYS`. A report.md alone, or another tool's demo.json, is not."""
+    if (out / DEMO_MARKER).is_file():
+        return True
+    try:
+        saved = json.loads((out / "demo.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and DEMO_JSON_KEYS <= saved.keys()
 
 
 def check_clearable(out: Path) -> None:
     """Raise FileExistsError naming ``out`` unless it is missing, an empty folder, or an earlier demo's output
-    (:data:`DEMO_OUTPUTS`, the marker included): the folders :func:`clear_output_dir` may clear."""
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and
-                                             not any((out / name).is_file() for name in DEMO_OUTPUTS))):
-        raise FileExistsError(f"refusing to clear {out}: it is not an earlier demo's output (no "
-                              f"{' or '.join(DEMO_OUTPUTS)}); choose another --output-dir")
+    (:func:`is_demo_output`): the folders :func:`clear_output_dir` may clear."""
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not is_demo_output(out))):
+        raise FileExistsError(f"refusing to clear {out}: it is not an earlier demo's output (no {DEMO_MARKER} "
+                              "and no demo.json of a demo); choose another --output-dir")
 
 
 def clear_output_dir(out: Path) -> None:

@@ -299,7 +299,7 @@ def test_demo_clears_only_its_own_output(tmp_path, capsys):
     assert "refusing to clear" in capsys.readouterr().err and (precious / "notes.txt").read_text() == "keep me"
     earlier = tmp_path / "earlier"
     earlier.mkdir()
-    (earlier / "demo.json").write_text("{}")
+    (earlier / "demo.json").write_text(json.dumps(dict.fromkeys(demo.DEMO_JSON_KEYS, 0)))
     (earlier / "samples.png").write_bytes(b"")
     demo.clear_output_dir(earlier)  # an earlier demo's folder is cleared, and a missing one created
     demo.clear_output_dir(tmp_path / "new")
@@ -317,3 +317,22 @@ def test_report_guard_note_survives_a_base_that_answers_one_letter():
     assert "`answer_diversity` is 0 for the base model" in note
     assert "within" in demo.held_out_guard_note({"diversity": 20.0}, {"diversity": 17.0}, "diversity")
     assert "OUTSIDE" in demo.held_out_guard_note({"diversity": 20.0}, {"diversity": 15.0}, "diversity")
+
+
+def test_demo_does_not_clear_a_folder_that_only_happens_to_hold_a_report_md(tmp_path):
+    # a project folder with its own report.md (or another tool's demo.json) is not an earlier demo's output
+    for name, text in (("report.md", "# my paper's results\n"), ("demo.json", '{"slides": 3}')):
+        project = tmp_path / name.replace(".", "_")
+        project.mkdir()
+        (project / name).write_text(text)
+        (project / "results.csv").write_text("keep me")
+        with pytest.raises(FileExistsError, match="refusing to clear"):
+            demo.clear_output_dir(project)
+        assert (project / "results.csv").read_text() == "keep me"
+    earlier = tmp_path / "earlier"  # a demo from before the marker: its demo.json has the contract's keys
+    earlier.mkdir()
+    (earlier / "demo.json").write_text(json.dumps({"task": "ShapesT2I", "metric": "shapes_eval/score",
+                                                   "before": 0.4, "after": 0.5, "minutes": 14.2}))
+    (earlier / "report.md").write_text("# mmgrpo demo flow\n")
+    demo.clear_output_dir(earlier)
+    assert [p.name for p in earlier.iterdir()] == [demo.DEMO_MARKER]
