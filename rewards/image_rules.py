@@ -153,7 +153,11 @@ class ColorFraction(Reward):
 
     @staticmethod
     def _target(value: list[float], where: str) -> torch.Tensor:
-        target = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        """(3,) float32 colour in [0, 1] from three values in 0..255; ``ValueError`` naming ``where`` otherwise."""
+        try:
+            target = torch.as_tensor(value, dtype=torch.float32).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):  # a colour name, None, a dict...
+            target = torch.empty(0)
         if target.numel() != 3 or not ((target >= 0) & (target <= 255)).all():
             raise ValueError(f"color_fraction: {where} must be three values in 0..255; got {value!r}")
         return target / 255

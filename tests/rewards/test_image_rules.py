@@ -245,6 +245,17 @@ def test_color_fraction_target_per_sample():
         build_reward("color_fraction", {"rgb": [1, 2, 3], "tolerance": 0})
 
 
+@pytest.mark.parametrize("value", ["red", None, {"r": 255}, ["255", 0, 0]])
+def test_color_fraction_target_that_is_not_numbers_is_a_clear_error(value):
+    """A target_rgb that is not three numbers (a colour name from a dataset, None) is the one-line ValueError of
+    a wrong target, naming the sample, not a TypeError from torch ('new(): invalid data type 'str'')."""
+    images = torch.zeros(1, 3, 2, 2)
+    with pytest.raises(ValueError, match=r"meta\['target_rgb'\] of sample 0 must be three values in 0..255"):
+        score("color_fraction", images, [{"target_rgb": value}])
+    with pytest.raises(ValueError, match="color_fraction: rgb must be three values in 0..255"):
+        build_reward("color_fraction", {"rgb": value})
+
+
 # ---------------------------------------------------------------- grid_seams
 
 def test_grid_seams_closed_forms():
