@@ -252,8 +252,9 @@ def test_color_fraction_target_that_is_not_numbers_is_a_clear_error(value):
     images = torch.zeros(1, 3, 2, 2)
     with pytest.raises(ValueError, match=r"meta\['target_rgb'\] of sample 0 must be three values in 0..255"):
         score("color_fraction", images, [{"target_rgb": value}])
-    with pytest.raises(ValueError, match="color_fraction: rgb must be three values in 0..255"):
-        build_reward("color_fraction", {"rgb": value})
+    if value is not None:  # rgb: None means "from meta"
+        with pytest.raises(ValueError, match="color_fraction: rgb must be three values in 0..255"):
+            build_reward("color_fraction", {"rgb": value})
 
 
 # ---------------------------------------------------------------- grid_seams
