@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -76,8 +77,15 @@ class GroupSampler:
 
     def state_dict(self) -> dict[str, int | list[int]]:
         return {"epoch": self.epoch, "position": self.position, "steps": self.steps,
-                "held_back": list(self.held_back)}
+                "held_back": list(self.held_back), "num_items": self.num_items}
 
     def load_state_dict(self, state: dict[str, int | list[int]]) -> None:
+        """Restore a :meth:`state_dict`. One saved over a dataset of another size cannot continue its epoch (its
+        position indexes another permutation): the next epoch starts, with a RuntimeWarning."""
         self.epoch, self.position, self.steps = state["epoch"], state["position"], state["steps"]
         self.held_back = list(state.get("held_back", []))  # none in checkpoints from before: the plain order
+        saved = state.get("num_items", self.num_items)  # none in checkpoints from before: not checked
+        if saved != self.num_items:
+            self.epoch, self.position, self.held_back = self.epoch + (self.position > 0), 0, []
+            warnings.warn(f"the checkpoint's sampler drew from {saved} training items and this run has "
+                          f"{self.num_items}: epoch {self.epoch} starts here", RuntimeWarning, stacklevel=2)

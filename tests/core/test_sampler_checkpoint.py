@@ -77,6 +77,20 @@ def test_a_resume_after_an_epoch_end_continues_the_sequence_and_old_states_load(
     assert sorted(old.next()[0] + old.next()[0][:2]) == sorted(GroupSampler(10, 4, seed=2)._order(0)[4:])
 
 
+def test_a_resume_on_a_dataset_of_another_size_starts_a_new_epoch_with_a_warning():
+    """The saved position indexed a permutation of another size: a resumed run on a grown dataset drew, silently,
+    the tail of a fresh permutation (prompts of this epoch again, others never), and on a shrunk one skipped ahead."""
+    s = GroupSampler(10, 4, seed=0)
+    s.next()
+    state = s.state_dict()
+    t = GroupSampler(12, 4, seed=0)
+    with pytest.warns(RuntimeWarning, match="the checkpoint's sampler drew from 10 training items and this run has "
+                                            "12: epoch 1 starts here"):
+        t.load_state_dict(state)
+    assert (t.epoch, t.position, t.steps) == (1, 0, 1)
+    assert sorted(i for _ in range(3) for i in t.next()[0]) == list(range(12))
+
+
 def test_latest_ignores_partial_checkpoints_and_prune_keeps_newest(tmp_path):
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):
