@@ -190,13 +190,16 @@ class RemoteReward(Reward):
         except (KeyError, TypeError, ValueError, AttributeError) as err:  # not a mapping, scores not numbers...
             raise RemoteError(f"POST {endpoint} answered a malformed reply ({type(err).__name__}: {one_line(err)}): "
                               "is it a reward server?") from None
+        if self.reward is not None and names != [self.reward]:
+            raise RemoteError(f"POST {endpoint} answered for reward {names}, not the '{self.reward}' it was asked for")
         if name is None:
             raise ValueError(f"remote: the server at {self.url} serves {names}; name one with reward=...")
         if kind != self.kind:
             raise ValueError(f"remote: '{name}' at {self.url} is {kind} but this reward says kind={self.kind}; "
                              f"set kind: {kind}")
-        if any(v.numel() != len(batch) for v in out.values()):
-            raise RemoteError(f"POST {endpoint} answered {len(out['score'])} scores for {len(batch)} samples")
+        for key, values in out.items():
+            if values.numel() != len(batch):
+                raise RemoteError(f"POST {endpoint} answered {values.numel()} values of '{key}' for {len(batch)} samples")
         return out
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
