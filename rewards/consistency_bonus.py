@@ -63,9 +63,10 @@ def consistency_bonus(accuracy: torch.Tensor, likelihood: torch.Tensor, group: t
                               "given their reasoning")
 class ConsistencyBonus(RolloutAccuracyBonus):
     """The GRPO-CARE bonus of :func:`consistency_bonus`, per prompt group. Needs ``care.enabled`` in the vlm
-    pipeline, which fills ``meta["care_answer_likelihood"]``; batches without it (held-out evaluation) score NaN
-    (does not apply). Give it weight 0.5 (GRPO-CARE's bonus coefficient) and turn the KL off
-    (``grpo.kl_beta: 0``): the bonus replaces it.
+    pipeline, which fills ``meta["care_answer_likelihood"]``; rollouts without it (held-out evaluation) score NaN
+    (does not apply), and so does the rest of their prompt group; other groups of the batch are scored as alone.
+    Give it weight 0.5 (GRPO-CARE's bonus coefficient) and turn the KL off (``grpo.kl_beta: 0``): the bonus
+    replaces it.
 
     Args:
         margin: rollouts this far below the accurate rollouts' mean likelihood still get the bonus (GRPO-CARE: 0.01).
@@ -84,8 +85,20 @@ class ConsistencyBonus(RolloutAccuracyBonus):
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         completions_or_raise(batch, "consistency_bonus")
-        if not all(LIKELIHOOD_KEY in m for m in batch.meta):
-            return torch.full((len(batch),), math.nan, dtype=torch.float64)
-        likelihood = torch.tensor([float(m[LIKELIHOOD_KEY]) for m in batch.meta], dtype=torch.float64)
-        accuracy = torch.as_tensor(self.accuracy(batch), dtype=torch.float64)
-        return consistency_bonus(accuracy, likelihood, batch.group, self.margin, self.threshold, self.likelihood_max)
+        out = torch.full((len(batch),), math.nan, dtype=torch.float64)
+        rows = rows_of_complete_groups(batch)
+        if not rows:
+            return out
+        scored = batch if len(rows) == len(batch) else batch.select(rows)
+        likelihood = torch.tensor([float(m[LIKELIHOOD_KEY]) for m in scored.meta], dtype=torch.float64)
+        accuracy = torch.as_tensor(self.accuracy(scored), dtype=torch.float64)
+        out[rows] = consistency_bonus(accuracy, likelihood, scored.group, self.margin, self.threshold,
+                                      self.likelihood_max)
+        return out
+
+
+def rows_of_complete_groups(batch: RewardBatch) -> list[int]:
+    """The rows of ``batch`` whose whole prompt group carries ``meta[LIKELIHOOD_KEY]``; the other groups' rows
+    score NaN, whatever else is in the batch."""
+    missing = {gid for gid, meta in zip(batch.group.tolist(), batch.meta) if LIKELIHOOD_KEY not in meta}
+    return [row for row, gid in enumerate(batch.group.tolist()) if gid not in missing]
