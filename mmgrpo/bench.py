@@ -58,23 +58,29 @@ def finite_or_null(obj: Any) -> Any:
     return obj
 
 
+class BenchUsageError(ValueError):
+    """A bad ``mmgrpo bench`` request (a selection the suite does not take, an ``--out`` that cannot be written),
+    raised before any measuring; the CLI prints it as one line, exit 2. Other errors of a suite are bugs and keep
+    their traceback."""
+
+
 def run_bench(name: str, out: str | None, threads: int | None = None,
               only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """Run suite ``name`` with a fixed thread count (the caller's is restored after), print its table, and write
     the JSON contract ``{"bench", "machine", "rows", "figures"}`` to ``out`` when given. ``only``: the cases to
-    run, for a suite that takes a selection as its argument (``learning``: preset names); ValueError for another."""
+    run, for a suite that takes a selection as its argument (``learning``: preset names); BenchUsageError for another."""
     from rich.console import Console
     from rich.table import Table
 
     suite = BENCHES.get(name)
     if only and not inspect.signature(suite).parameters:
-        raise ValueError(f"benchmark '{name}' always runs all its cases; --only is for a suite that selects "
+        raise BenchUsageError(f"benchmark '{name}' always runs all its cases; --only is for a suite that selects "
                          "(learning)")
     if out:  # checked before the minutes of measuring, whose results would be lost
         with contextlib.suppress(OSError):  # a file in the way, or no permission: the check below names --out
             Path(out).parent.mkdir(parents=True, exist_ok=True)
         if Path(out).is_dir() or not Path(out).parent.is_dir() or not os.access(Path(out).parent, os.W_OK):
-            raise ValueError(f"--out {out}: cannot write a file there")
+            raise BenchUsageError(f"--out {out}: cannot write a file there")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:

@@ -157,11 +157,14 @@ def inline_yaml(value: Any) -> str:
 
 
 def table_console() -> Any:
-    """A rich console for the tables of ``config`` and ``rewards``: the terminal's width (or ``COLUMNS``), and 160
-    columns when the output goes to a pipe or a file (rich would wrap the tables at 80)."""
+    """A rich console for the tables of ``config`` and ``rewards``: the terminal's width, and at least 160 columns
+    (or ``COLUMNS``, when wider) when the output goes to a pipe or a file (rich would wrap the tables at 80)."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() or "COLUMNS" in os.environ else Console(width=160)
+    if sys.stdout.isatty():
+        return Console()
+    columns = os.environ.get("COLUMNS", "")
+    return Console(width=max(160, int(columns) if columns.isdigit() else 0))
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -235,7 +238,7 @@ def cmd_rewards(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from mmgrpo.bench import BENCHES, run_bench
+    from mmgrpo.bench import BENCHES, BenchUsageError, run_bench
 
     if args.name not in BENCHES:
         known = ", ".join(BENCHES.names()) or "none yet"
@@ -244,7 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     only = tuple(filter(None, args.only.split(","))) if args.only else None
     try:
         run_bench(args.name, args.out, threads=args.threads, only=only)
-    except ValueError as err:
+    except BenchUsageError as err:
         print(err, file=sys.stderr)
         return 2
     return 0
@@ -343,13 +346,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="train the tiny shipped models on CPU and report before/after")
     p.add_argument("which", nargs="?", choices=("flow", "vlm"), default="flow")
-    p.add_argument("--output-dir", help="default runs/demo-flow or runs/demo-vlm; an existing folder is cleared only if it holds an earlier demo's output (demo.json or report.md)")
-    p.add_argument("--minutes", type=float, help="training-time budget (default: the demo's own, 11 for flow, 14 for "
+    p.add_argument("--output-dir", help="default runs/demo-flow or runs/demo-vlm; an existing folder is cleared only if it holds an earlier demo's output (its .mmgrpo-demo marker, or a demo's demo.json)")
+    p.add_argument("--minutes", type=non_negative_minutes, help="training-time budget (default: the demo's own, 11 for flow, 14 for "
                    "vlm, cut short on a slow machine so that the whole demo ends within 15 minutes)")
     p.add_argument("--processes", type=positive_int, help="training processes (default: 2 for vlm on a CPU with 2 "
                    "cores or more, DDP over gloo; 1 for flow, and on a machine with a GPU)")
     p.set_defaults(fn=cmd_demo)
     return parser
+
+
+def non_negative_minutes(text: str) -> float:
+    """An argparse type: a finite number of minutes >= 0."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of minutes >= 0, got {text}")
+    return value
 
 
 def positive_int(text: str) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from mmgrpo.bench import BENCHES
+from mmgrpo.bench import BENCHES, BenchUsageError
 
 BUDGET_MINUTES = {"flow": 8.0, "vlm": 6.0}
 """Training wall-clock per preset, by pipeline."""
@@ -98,7 +98,7 @@ def learning(presets: tuple[str, ...] = PRESETS) -> tuple[list[dict[str, Any]], 
 
     unknown = [name for name in presets if name not in PRESETS]
     if unknown:
-        raise ValueError(f"unknown learning preset '{unknown[0]}' (available: {', '.join(PRESETS)})")
+        raise BenchUsageError(f"unknown learning preset '{unknown[0]}' (available: {', '.join(PRESETS)})")
 
     rows = []
     for name in presets:

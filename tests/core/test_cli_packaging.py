@@ -90,6 +90,13 @@ def test_unusable_output_paths_are_one_line_before_any_work(tmp_path, monkeypatc
     assert capsys.readouterr().err.strip() == f"--out {tmp_path}: cannot write a file there"
     assert main(["bench", "probe", "--out", str(tmp_path / "new" / "P.json")]) == 0 and ran == [1]
 
+    def buggy():
+        raise ValueError("a bug minutes into a suite")
+
+    BENCHES.register("buggy", buggy)
+    with pytest.raises(ValueError, match="a bug minutes into a suite"):  # its traceback, not a usage line
+        main(["bench", "buggy"])
+
 
 def test_every_package_folder_is_listed_in_pyproject():
     """setuptools installs only the listed packages in a non-editable install; a new sub-package must be added."""
@@ -185,3 +192,12 @@ def test_demo_says_where_it_runs_and_fails_when_its_asset_is_missing(monkeypatch
     captured = capsys.readouterr()
     assert "needs assets/no-such-model" in captured.err and "Run it from a clone" in captured.err
     assert not re.search(r"\d+(\.\d+)?\s*%|before\s*[:=]\s*\d", captured.out + captured.err)
+
+
+@pytest.mark.parametrize("minutes", ["-1", "nan", "inf"])
+def test_demo_minutes_must_be_a_finite_number_of_minutes(minutes, capsys):
+    from mmgrpo.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--minutes", minutes])
+    assert done.value.code == 2 and "must be a number of minutes >= 0" in capsys.readouterr().err
