@@ -91,6 +91,15 @@ def _error_text(err: urllib.error.HTTPError) -> str:
         return one_line(raw[:300].decode("utf-8", "replace")) or str(err.reason)
 
 
+def bearer_token(token_env: str) -> str:
+    """The token in environment variable ``token_env`` without surrounding whitespace (a file's trailing newline),
+    or "" when unset; ``ValueError``, not echoing it, when a control character is left (no header can hold it)."""
+    token = os.environ.get(token_env, "").strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in token):
+        raise ValueError(f"remote: the token in {token_env} holds a line break or another control character")
+    return token
+
+
 def group_chunks(group: torch.Tensor, max_batch: int) -> list[list[int]]:
     """Rows of ``group`` (B,) split into chunks of at most ``max_batch`` rows that never split a group (a group
     larger than ``max_batch`` is a chunk of its own). Groups keep their order of first appearance."""
@@ -129,7 +138,8 @@ class RemoteReward(Reward):
         on_failure: ``error`` raises a one-line error naming the URL; ``nan`` scores the samples of failed
             requests NaN ("does not apply"), in the main score and every sub-score the server reward has returned
             so far (so the reward's output keeps its names), and warns (``failed_requests`` counts them).
-        token_env: environment variable holding the server's token, sent as ``Authorization: Bearer`` when set.
+        token_env: environment variable holding the server's token, sent as ``Authorization: Bearer`` when set
+            (surrounding whitespace dropped).
         encoding: pixels on the wire, ``float16`` or ``uint8``.
     """
 
@@ -153,7 +163,7 @@ class RemoteReward(Reward):
         self.reward, self.kind, self.max_batch = reward, kind, int(max_batch)
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.on_failure, self.encoding = on_failure, encoding
-        token = os.environ.get(token_env)
+        token = bearer_token(token_env)
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.failed_requests = 0
         self.version_checked = False

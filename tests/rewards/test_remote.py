@@ -28,9 +28,11 @@ def canned():
             self.wfile.write(body)
 
         def do_GET(self):
+            reply.setdefault("auth", []).append(self.headers.get("Authorization"))
             self._send({"status": "ok", "wire_version": 2})
 
         def do_POST(self):
+            reply.setdefault("auth", []).append(self.headers.get("Authorization"))
             self.rfile.read(int(self.headers["Content-Length"]))
             self._send(reply["score"])
 
@@ -71,3 +73,19 @@ def test_a_reply_for_another_reward_than_the_one_asked_is_refused(canned):
     with pytest.warns(RuntimeWarning, match="their samples score NaN"):
         assert remote(two_samples()).isnan().all()
     assert RemoteReward(url, retries=0)(two_samples()).tolist() == [1.0, 2.0]  # no reward named: the only one
+
+
+def test_a_token_read_with_its_trailing_newline_is_sent_without_it(canned, monkeypatch):
+    """A token from a file often ends in a newline, which no HTTP header may hold: it raised 'Invalid header value
+    b'Bearer <the token>\\n'' on every request (the secret in the log), escaping on_failure=nan. Surrounding
+    whitespace is dropped; a token with a line break inside is refused at construction without echoing it."""
+    url, reply = canned
+    reply["score"] = {"names": ["x"], "kinds": {"x": "pointwise"}, "main": {"x": [1.0, 2.0]}, "scores": {}}
+    monkeypatch.setenv("TEST_REMOTE_TOKEN", "s3cret\n")
+    assert RemoteReward(url, retries=0, token_env="TEST_REMOTE_TOKEN")(two_samples()).tolist() == [1.0, 2.0]
+    assert reply["auth"] == ["Bearer s3cret", "Bearer s3cret"]  # /health, then /v1/score
+    monkeypatch.setenv("TEST_REMOTE_TOKEN", "s3c\nret")
+    with pytest.raises(ValueError, match="^remote: the token in TEST_REMOTE_TOKEN holds a line break or another "
+                                         "control character") as info:
+        RemoteReward(url, token_env="TEST_REMOTE_TOKEN")
+    assert "s3c" not in str(info.value)
