@@ -11,6 +11,7 @@ other file but ``.json`` (refused) is read as one prompt a line. Problems are re
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 from mmgrpo.config import ConfigError, cwd_hint
@@ -86,12 +87,16 @@ def load_items(source: str, key: str, split: str) -> list[dict]:
 def prompt_datasets(train_source: str, eval_source: str | None,
                     num_eval: int) -> tuple[list[dict], list[dict]]:
     """(train items, held-out items). Held-out: ``eval_source``, else the task's held-out split, else the
-    first training prompts; at most ``num_eval`` of them."""
+    first training prompts (with a warning: the evaluation is then on prompts the policy trains on); at most
+    ``num_eval`` of them."""
     train = load_items(train_source, "data.train_prompts", "train")
     if eval_source is not None:
         held_out = load_items(eval_source, "data.eval_prompts", "heldout")
     elif train_source.startswith("task:"):
         held_out = load_items(train_source, "data.train_prompts", "heldout")
     else:
+        warnings.warn(f"data.eval_prompts is not set: evaluation uses the first {min(num_eval, len(train))} "
+                      f"training prompts of {train_source}, which the policy trains on; set data.eval_prompts to "
+                      "held-out prompts for a held-out score", stacklevel=2)
         held_out = train
     return train, held_out[:num_eval]

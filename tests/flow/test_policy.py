@@ -422,6 +422,14 @@ def test_bad_prompt_files_name_the_key_and_file(tmp_path, content, message):
     assert "'data.train_prompts'" in str(err.value) and str(path) in str(err.value)
 
 
+def test_evaluating_on_training_prompts_is_warned(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("a red ball\na blue ball\n")
+    with pytest.warns(UserWarning, match=r"data.eval_prompts is not set: evaluation uses the first 1 training prompts"):
+        _, held_out = prompt_datasets(str(path), None, 1)
+    assert held_out == [{"prompt": "a red ball"}]
+
+
 def test_a_json_or_upper_case_jsonl_file_is_not_read_as_one_prompt_a_line(tmp_path):
     upper = tmp_path / "P.JSONL"
     upper.write_text('{"prompt": "a red ball", "target_rgb": [255, 0, 0]}\n')
