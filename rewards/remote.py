@@ -218,7 +218,8 @@ class RemoteReward(Reward):
         failed: list[str] = []
         for rows in group_chunks(batch.group, self.max_batch):
             try:
-                parts.append((rows, self._request(batch if len(rows) == len(batch) else batch.select(rows))))
+                whole = rows == list(range(len(batch)))  # the batch as it is (rows are grouped, not sorted)
+                parts.append((rows, self._request(batch if whole else batch.select(rows))))
             except RemoteError as err:
                 if self.on_failure == "error":
                     raise

@@ -89,3 +89,20 @@ def test_a_token_read_with_its_trailing_newline_is_sent_without_it(canned, monke
                                          "control character") as info:
         RemoteReward(url, token_env="TEST_REMOTE_TOKEN")
     assert "s3c" not in str(info.value)
+
+
+def test_interleaved_groups_in_one_request_keep_each_sample_its_score():
+    """Groups [0, 1, 0, 1] fit one request: the whole batch is sent in its own order, so its scores go back to
+    rows 0..3 in that order (they went to the chunk's group-sorted rows 0, 2, 1, 3: samples 1 and 2 swapped)."""
+    from mmgrpo.config import RewardSpec
+    from mmgrpo.rewards import build_reward
+    from mmgrpo.rewards.server import RewardServer
+
+    stripes = (torch.arange(8) % 2).view(1, 1, 1, 8) * torch.tensor([16.0, 32, 64, 128]).view(4, 1, 1, 1)
+    images = stripes.expand(4, 3, 8, 8) / 256  # multiples of 1/256: exact in float16 on the wire
+    batch = RewardBatch(prompts=["p"] * 4, group=torch.tensor([0, 1, 0, 1]), images=images)
+    local = build_reward("sharpness", {})(batch)
+    assert len(set(local.tolist())) == 4
+    with RewardServer([RewardSpec(name="sharpness")], port=0).start() as server:
+        remote = RemoteReward(server.url, reward="sharpness", encoding="float16")(batch)
+    assert torch.equal(remote, local), (remote, local)
