@@ -196,7 +196,7 @@ def seam_contrast(luma: torch.Tensor, edge_threshold: float, half_width: int) ->
     0. A full-height seam in a smooth image scores 1; textures and noise, which have edges everywhere alike,
     score about 0. Steps within ``STEP_TIE`` of each other are ties (both local maxima), whatever the rounding."""
     step = step_strength(luma, half_width)
-    padded = F.pad(step, (1, 1)) + STEP_TIE
+    padded = F.pad(step, (1, 1)) - STEP_TIE  # a neighbour within STEP_TIE does not beat this step
     edge = (step > edge_threshold) & (step >= padded[..., :-2]) & (step >= padded[..., 2:])
     coverage = edge.to(luma.dtype).mean(-2)
     return (coverage - coverage.median(-1, keepdim=True).values).clamp(min=0)

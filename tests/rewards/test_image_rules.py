@@ -259,6 +259,18 @@ def test_color_fraction_target_that_is_not_numbers_is_a_clear_error(value):
 
 # ---------------------------------------------------------------- grid_seams
 
+@pytest.mark.parametrize("step_width", [1, 3])
+def test_grid_seams_counts_a_seam_split_over_two_tied_boundaries(step_width):
+    """Black | one mid-grey column | white, at W/2: the boundaries either side of the grey column carry equal
+    steps (0.5 each at width 1, 5/6 at width 3), so both are local maxima and the seam scores 1, as the docstring
+    says ties are; it scored 0 (a tie counted as a maximum on neither side)."""
+    row = torch.zeros(32)
+    row[16], row[17:] = 0.5, 1.0
+    image = row.view(1, 1, 1, 32).expand(1, 3, 32, 32)
+    assert score("grid_seams", image, step_width=step_width).tolist() == [1.0]
+    assert score("grid_seams", image.transpose(2, 3), step_width=step_width).tolist() == [1.0]
+
+
 def test_grid_seams_closed_forms():
     """One step edge at x = W/2 is a 1x2 grid seam in every row and nowhere else: evidence 1. An edge at W/3
     alone is no equal-panel grid (3 panels need a second seam at 2W/3): 0. Stripes at W/3 and 2W/3: 1."""
