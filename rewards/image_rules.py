@@ -56,9 +56,10 @@ class _JpegSize(Reward):
     modality = "image"
 
     def __init__(self, quality: int = 95):
-        if not 1 <= quality <= 100:
-            raise ValueError(f"{self.name}: quality must be in [1, 100]; got {quality}")
-        self.quality = quality
+        whole = isinstance(quality, (int, float)) and not isinstance(quality, bool) and float(quality).is_integer()
+        if not whole or not 1 <= quality <= 100:
+            raise ValueError(f"{self.name}: quality must be a whole number in [1, 100]; got {quality!r}")
+        self.quality = int(quality)
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         return self.sign * jpeg_sizes_kb(images_or_raise(batch, self.name), self.quality)

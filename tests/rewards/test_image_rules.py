@@ -135,6 +135,20 @@ def reference_kb(array_hwc_uint8, quality=95):
     return len(buffer.getvalue()) / 1000
 
 
+@pytest.mark.parametrize("quality", [95.5, "95", True, 0, 101])
+def test_jpeg_quality_that_is_not_a_whole_number_in_1_100_is_refused_at_construction(quality):
+    """quality 95.5 or "95" failed only when scoring, with PIL's 'Invalid quality setting' or a TypeError naming
+    no reward; True encoded at quality 1."""
+    with pytest.raises(ValueError, match=r"^jpeg_compressibility: quality must be a whole number in \[1, 100\]"):
+        build_reward("jpeg_compressibility", {"quality": quality})
+
+
+def test_jpeg_quality_given_as_a_whole_float_is_that_quality():
+    image = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(score("jpeg_incompressibility", image, quality=80.0),
+                       score("jpeg_incompressibility", image, quality=80))
+
+
 def test_jpeg_size_matches_pil_encoding_in_kb():
     rng = np.random.default_rng(0)
     arrays = [np.full((32, 48, 3), 128, np.uint8), rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)]
@@ -145,7 +159,7 @@ def test_jpeg_size_matches_pil_encoding_in_kb():
     assert expected[0] < expected[1]  # flat compresses better than noise
     q10 = score("jpeg_incompressibility", images, quality=10)
     assert q10[1] < expected[1]
-    with pytest.raises(ValueError, match="quality must be in"):
+    with pytest.raises(ValueError, match="quality must be a whole number in"):
         build_reward("jpeg_compressibility", {"quality": 0})
 
 
