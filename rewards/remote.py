@@ -9,7 +9,6 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import os
 import time
 import urllib.error
 import urllib.parse
@@ -24,7 +23,15 @@ from mmgrpo.registry import REWARDS
 
 from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
 from .clip_models import one_line
-from .server import DEFAULT_TOKEN_ENV, JSON_TYPE, WIRE_VERSION, encode_request, is_loopback, scores_from_json
+from .server import (
+    DEFAULT_TOKEN_ENV,
+    JSON_TYPE,
+    WIRE_VERSION,
+    bearer_token,
+    encode_request,
+    is_loopback,
+    scores_from_json,
+)
 
 RETRY_STATUS = (429, 502, 503, 504)
 """HTTP answers worth retrying: rate limited, or a proxy / server that is (re)starting or overloaded."""
@@ -89,15 +96,6 @@ def _error_text(err: urllib.error.HTTPError) -> str:
         return one_line(json.loads(raw)["error"], 300)
     except (ValueError, KeyError, TypeError):
         return one_line(raw[:300].decode("utf-8", "replace")) or str(err.reason)
-
-
-def bearer_token(token_env: str) -> str:
-    """The token in environment variable ``token_env`` without surrounding whitespace (a file's trailing newline),
-    or "" when unset; ``ValueError``, not echoing it, when a control character is left (no header can hold it)."""
-    token = os.environ.get(token_env, "").strip()
-    if any(ord(c) < 32 or ord(c) == 127 for c in token):
-        raise ValueError(f"remote: the token in {token_env} holds a line break or another control character")
-    return token
 
 
 def group_chunks(group: torch.Tensor, max_batch: int) -> list[list[int]]:

@@ -287,6 +287,17 @@ def load_server_config(path: str | os.PathLike) -> ServerConfig:
     return cfg
 
 
+def bearer_token(token_env: str, owner: str = "remote") -> str:
+    """The token in environment variable ``token_env`` without surrounding whitespace (a file's trailing newline),
+    or "" when unset; ``ValueError`` starting with ``owner``, not echoing the token, when a control character is
+    left (no header can hold it). Clients and the server read tokens alike, so a token that one accepts the other
+    matches."""
+    token = os.environ.get(token_env, "").strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in token):
+        raise ValueError(f"{owner}: the token in {token_env} holds a line break or another control character")
+    return token
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
     if host == "localhost":
@@ -517,6 +528,9 @@ def serve(config: str | os.PathLike, host: str | None = None, port: int | None =
     opts = cfg.server
     host = opts.host if host is None else host
     token_env = opts.token_env if token_env is None else token_env
-    token = os.environ.get(token_env) or None
+    try:
+        token = bearer_token(token_env, "reward server") or None
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return RewardServer(cfg.rewards, host=host, port=opts.port if port is None else port, token=token,
                         token_env=token_env, max_request_mb=opts.max_request_mb)

@@ -20,7 +20,6 @@ import inspect
 import io
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from .base import GROUPWISE, POINTWISE, Reward, RewardBatch
 from .checks import as_rgb_images, as_rgb_videos
 from .clip_models import LOAD_ERRORS, one_line, resolve_device, resolve_dtype
 from .remote import RemoteError, request_json
+from .server import bearer_token
 from .video import sample_frame_indices
 from .winrate import pairwise_win_rate
 
@@ -307,7 +307,7 @@ class OpenAIJudge:
         self.model, self.max_tokens = model, int(max_tokens)
         self.timeout, self.retries, self.backoff = float(timeout), int(retries), float(backoff)
         self.concurrency = max(1, int(concurrency))
-        key = os.environ.get(api_key_env) if api_key_env else None
+        key = bearer_token(api_key_env, "vlm judge") if api_key_env else None
         if api_key_env and not key:
             raise ValueError(f"vlm judge: the environment variable {api_key_env} (api_key_env) is not set")
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}

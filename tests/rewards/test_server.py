@@ -398,6 +398,17 @@ def test_cli_refusal_exits_2(tmp_path, capsys, monkeypatch):
     assert code == 2 and "config error: refusing to serve rewards on '0.0.0.0'" in capsys.readouterr().err
 
 
+def test_a_served_token_read_with_its_newline_matches_the_clients(monkeypatch, tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("rewards:\n  - name: sharpness\n")
+    monkeypatch.setenv("MMGRPO_TEST_TOKEN", "s3cret\n")  # as `export TOKEN=$(cat token.txt)` leaves it in a script
+    with serve(config, port=0, token_env="MMGRPO_TEST_TOKEN").start() as server:
+        assert RemoteReward(server.url, token_env="MMGRPO_TEST_TOKEN")(image_batch(2)).shape == (2,)
+    monkeypatch.setenv("MMGRPO_TEST_TOKEN", "s3c\nret")
+    with pytest.raises(ConfigError, match="^reward server: the token in MMGRPO_TEST_TOKEN holds a line break"):
+        serve(config, port=0, token_env="MMGRPO_TEST_TOKEN")
+
+
 def test_token_is_required_when_set(monkeypatch):
     batch = image_batch(2)
     with RewardServer([RewardSpec(name="sharpness")], port=0, token="s3cret").start() as server:

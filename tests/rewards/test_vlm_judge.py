@@ -392,7 +392,7 @@ def decode_data_url(url):
 
 
 def test_openai_backend_end_to_end(chat_server, monkeypatch):
-    monkeypatch.setenv("MMGRPO_TEST_JUDGE_KEY", "sk-test")
+    monkeypatch.setenv("MMGRPO_TEST_JUDGE_KEY", "sk-test\n")  # read from a file: its newline is not sent
     batch = images_batch(3)
     batch.prompts = ["a cat", "a dog", "a cat"]
     judge = VLMJudge(backend="openai", on_parse_fail="zero",
