@@ -17,7 +17,9 @@ import itertools
 import json
 import os
 import sys
+import threading
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -163,3 +165,38 @@ def no_file_writes(monkeypatch: pytest.MonkeyPatch) -> _WriteRecorder:
     monkeypatch.setattr(torch, "save", recording_save)
     monkeypatch.setattr(torch.serialization, "save", recording_save)
     return _WriteRecorder()
+
+
+@pytest.fixture
+def canned_server():
+    """A stand-in reward server on loopback for replies the real one never sends: ``/health`` is right,
+    ``/v1/score`` answers ``reply["score"]``; ``reply["auth"]`` collects the Authorization headers received."""
+    reply = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            reply.setdefault("auth", []).append(self.headers.get("Authorization"))
+            self._send({"status": "ok", "wire_version": 2})
+
+        def do_POST(self):
+            reply.setdefault("auth", []).append(self.headers.get("Authorization"))
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send(reply["score"])
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", reply
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()

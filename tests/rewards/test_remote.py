@@ -1,9 +1,5 @@
 """The remote reward against a canned reward server on loopback: replies that do not fit the request."""
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
 import torch
 
@@ -11,48 +7,14 @@ from mmgrpo.rewards import RewardBatch
 from mmgrpo.rewards.remote import RemoteError, RemoteReward
 
 
-@pytest.fixture
-def canned():
-    """A stand-in reward server: ``/health`` is right, ``/v1/score`` answers ``reply["score"]``."""
-    reply = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _send(self, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            reply.setdefault("auth", []).append(self.headers.get("Authorization"))
-            self._send({"status": "ok", "wire_version": 2})
-
-        def do_POST(self):
-            reply.setdefault("auth", []).append(self.headers.get("Authorization"))
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self._send(reply["score"])
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", reply
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
-
-
 def two_samples():
     return RewardBatch(prompts=["a", "b"], group=torch.zeros(2, dtype=torch.long))
 
 
-def test_a_sub_score_of_the_wrong_length_is_named(canned):
+def test_a_sub_score_of_the_wrong_length_is_named(canned_server):
     """The main score has 2 values, the sub-score 'extra' 3: the error names 'extra' and its 3 values (it said
     '2 scores for 2 samples', which is no mismatch at all)."""
-    url, reply = canned
+    url, reply = canned_server
     reply["score"] = {"names": ["x"], "kinds": {"x": "pointwise"}, "main": {"x": [1.0, 2.0]},
                       "scores": {"x/score": [1.0, 2.0], "x/extra": [1.0, 2.0, 3.0]}}
     with pytest.raises(RemoteError, match=r"^POST .*/v1/score answered 3 values of 'extra' for 2 samples$"):
@@ -62,10 +24,10 @@ def test_a_sub_score_of_the_wrong_length_is_named(canned):
         RemoteReward(url, retries=0)(two_samples())
 
 
-def test_a_reply_for_another_reward_than_the_one_asked_is_refused(canned):
+def test_a_reply_for_another_reward_than_the_one_asked_is_refused(canned_server):
     """Asked for 'a', answered for 'b' (a wrong URL, another server on the port): the scores are not taken as
     'a''s; under on_failure=nan the samples score NaN."""
-    url, reply = canned
+    url, reply = canned_server
     reply["score"] = {"names": ["b"], "kinds": {"b": "pointwise"}, "main": {"b": [1.0, 2.0]}, "scores": {}}
     with pytest.raises(RemoteError, match=r"answered for reward \['b'\], not the 'a' it was asked for"):
         RemoteReward(url, reward="a", retries=0)(two_samples())
@@ -75,11 +37,11 @@ def test_a_reply_for_another_reward_than_the_one_asked_is_refused(canned):
     assert RemoteReward(url, retries=0)(two_samples()).tolist() == [1.0, 2.0]  # no reward named: the only one
 
 
-def test_a_token_read_with_its_trailing_newline_is_sent_without_it(canned, monkeypatch):
+def test_a_token_read_with_its_trailing_newline_is_sent_without_it(canned_server, monkeypatch):
     """A token from a file often ends in a newline, which no HTTP header may hold: it raised 'Invalid header value
     b'Bearer <the token>\\n'' on every request (the secret in the log), escaping on_failure=nan. Surrounding
     whitespace is dropped; a token with a line break inside is refused at construction without echoing it."""
-    url, reply = canned
+    url, reply = canned_server
     reply["score"] = {"names": ["x"], "kinds": {"x": "pointwise"}, "main": {"x": [1.0, 2.0]}, "scores": {}}
     monkeypatch.setenv("TEST_REMOTE_TOKEN", "s3cret\n")
     assert RemoteReward(url, retries=0, token_env="TEST_REMOTE_TOKEN")(two_samples()).tolist() == [1.0, 2.0]

@@ -306,40 +306,6 @@ def test_a_failing_server_reward_is_reported_and_the_server_keeps_serving(mod):
             request_json(server.url + "/v2/other")
 
 
-@pytest.fixture
-def canned_server():
-    """A stand-in reward server on loopback: ``/health`` is right, ``/v1/score`` answers ``reply["score"]``."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    reply = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-        def _send(self, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self):
-            self._send({"status": "ok", "wire_version": 2})
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self._send(reply["score"])
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", reply
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
-
-
 @pytest.mark.parametrize("main, subs", [(["oops", 1.0], {}), ([1.0, 2.0], {"x/extra": [1.0, "two"]}),
                                         ([[1.0], [2.0]], {}), (7, {})])
 def test_a_malformed_score_reply_is_a_remote_error_that_on_failure_nan_absorbs(canned_server, main, subs):
