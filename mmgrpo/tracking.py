@@ -40,6 +40,17 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Replace ``path`` by a file holding ``text``, written beside it, synced and renamed: a failed write (a full
+    disk) leaves the old file whole."""
+    fresh = path.with_name(f".{path.name}.tmp")
+    with open(fresh, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(fresh, path)
+
+
 WANDB_ID_FILE = "wandb/run_id"
 """Where in the run directory the id of its wandb run is kept (next to wandb's own files), for a resume."""
 
@@ -64,9 +75,7 @@ def start_wandb(run_dir: Path, project: str, config: dict[str, Any], resume_step
         raise ConfigError(f"logging.wandb=true but wandb did not start: {' '.join(str(err).split())} "
                           f"(WANDB_MODE=offline logs to {run_dir / 'wandb'} without an account)") from err
     id_file.parent.mkdir(parents=True, exist_ok=True)
-    fresh = id_file.with_name(".run_id.tmp")
-    fresh.write_text(run.id + "\n")
-    os.replace(fresh, id_file)
+    write_atomically(id_file, run.id + "\n")
     if not stored:
         return run, 0
     first = max(last_step + 1, run.step)  # online, run.step is the step after the ones wandb already has
@@ -87,12 +96,7 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         logged = read_metrics(self.path) if resume_step is not None else []
         kept = [r for r in logged if r.get("step", 0) <= resume_step] if resume_step is not None else []
-        fresh = self.path.with_name(".metrics.jsonl.tmp")  # a failed write (a full disk) leaves the old file whole
-        with open(fresh, "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(fresh, self.path)
+        write_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.file = self.path.open("a")
         self.tb = None
         if tensorboard and importlib.util.find_spec("tensorboard") is not None:
