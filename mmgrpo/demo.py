@@ -450,11 +450,13 @@ def run_demo(which: str, output_dir: str | None,
 
     with bar:
         history = trainer.train(should_stop=should_stop)
-    if trainer.interrupted:  # the step it stopped at is validated too, so that it can be the one reported
+    if trainer.interrupted:
         stop_reason["why"] = (f"stopped by {trainer.interrupted} at step {trainer.step}, which was validated too; "
                               f"its checkpoint is in run/checkpoints")
-        if validations[-1][0] != trainer.step:
-            validate(trainer.step)
+    # The step training ended on (Ctrl-C, or train.max_steps between two checks) is validated too, so that it can
+    # be the one reported.
+    if validations[-1][0] != trainer.step:
+        validate(trainer.step)
     acc.wait_for_everyone()  # the main process saved the snapshot
     policy.load(snapshot)
     after, after_batch = evaluate(policy, zoo, items, spec, flow, circular=True)

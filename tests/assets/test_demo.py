@@ -1,6 +1,7 @@
 """`mmgrpo demo` end to end on the shipped tiny models (flow: ShapesT2I; vlm: ShapesQA + MotionQA), shrunk to one
 training step."""
 
+import dataclasses
 import json
 import re
 import signal
@@ -76,6 +77,21 @@ def test_flow_demo_trains_the_shipped_model_and_reports(small_demo, tmp_path, mo
     assert (tmp_path / "sampled" / "samples" / "sample-base.png").is_file()
     policy = build_policy(load_config(args[0], args[1:]))  # the weights `mmgrpo sample` drew with
     torch.testing.assert_close(policy.adapter.transformer.state_dict()[name], marked[name])
+
+
+def test_the_step_training_ends_on_is_validated_between_two_checks(tmp_path, monkeypatch, capsys):
+    """train.max_steps that is not a multiple of eval_every: the last steps are validated too, so they can be
+    reported (they were trained and never considered)."""
+    spec = dataclasses.replace(shrink("flow"), eval_every=2, overrides=[*SMALL, "train.max_steps=3"])
+    monkeypatch.setitem(demo.DEMOS, "flow", spec)
+    threads = torch.get_num_threads()
+    try:
+        demo.run_demo("flow", str(tmp_path), minutes=60.0)
+    finally:
+        torch.set_num_threads(threads)
+    printed = "".join(capsys.readouterr())
+    assert re.findall(r"step (\d+): validation", printed) == ["2", "3"]
+    assert "| training | 3 optimiser steps: step budget reached |" in (tmp_path / "report.md").read_text()
 
 
 def snippet(markdown: str) -> str:
