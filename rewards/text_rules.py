@@ -37,9 +37,24 @@ _TYPE_ALIASES = {
 }
 
 
+_TEMPORAL_GROUNDING = ("temporal grounding", "temporal video grounding", "video temporal grounding", "tvg", "tg")
+"""Names of the temporal-grounding problem type, which ``temporal_iou`` scores and ``accuracy`` does not."""
+
+
+def _type_key(name: Any) -> str:
+    """``name`` lower-cased, with runs of ``_``, ``-`` and spaces made one space."""
+    return re.sub(r"[\s_\-]+", " ", str(name).strip().lower())
+
+
 def canonical_problem_type(name: str) -> str | None:
     """The Video-R1 problem type that ``name`` spells (case, ``_``, ``-`` and spaces ignored), or None."""
-    return _TYPE_ALIASES.get(re.sub(r"[\s_\-]+", " ", str(name).strip().lower()))
+    return _TYPE_ALIASES.get(_type_key(name))
+
+
+def is_temporal_grounding(name: str) -> bool:
+    """Whether ``name`` spells the temporal-grounding problem type (``temporal_grounding``, ``TVG``; see
+    :data:`_TEMPORAL_GROUNDING`), case, ``_``, ``-`` and spaces ignored."""
+    return _type_key(name) in _TEMPORAL_GROUNDING
 
 
 def last_tagged_span(text: str, tag: str = "answer") -> tuple[int, int] | None:
@@ -72,6 +87,29 @@ def ground_truth(meta: dict[str, Any], row: int, reward: str, tag: str = "answer
     value = raw_ground_truth(meta)
     if value is None:
         raise ValueError(f"reward '{reward}': sample {row} has no 'solution' or 'answer' in its meta")
+    return _reference_text(value, row, reward, tag)
+
+
+def ground_truths(meta: dict[str, Any], row: int, reward: str, tag: str = "answer") -> list[str]:
+    """Every acceptable ground truth of a sample: each element of a list (or tuple) of them (``["3", "three"]``),
+    else the one :func:`ground_truth` reads; each unwrapped as :func:`ground_truth` unwraps it.
+
+    An empty list, an element that is not a string or a number (a bool neither), or a blank element raises
+    ``ValueError`` naming the sample."""
+    value = raw_ground_truth(meta)
+    if not isinstance(value, (list, tuple)):
+        return [ground_truth(meta, row, reward, tag)]
+    if not value:
+        raise ValueError(f"reward '{reward}': sample {row} has an empty list of ground truths")
+    bad = [k for k, item in enumerate(value) if isinstance(item, bool) or not isinstance(item, (str, int, float))]
+    if bad:
+        raise ValueError(f"reward '{reward}': sample {row} ground truth {bad[0]} is a {type(value[bad[0]]).__name__}, "
+                         f"not a string or number")
+    return [_reference_text(item, row, reward, tag) for item in value]
+
+
+def _reference_text(value: Any, row: int, reward: str, tag: str) -> str:
+    """One ground truth ``value`` as text, unwrapped (see :func:`ground_truth`); ``ValueError`` when blank."""
     text = str(value)
     inner = last_tagged(text, tag)
     if inner is None:
@@ -331,7 +369,9 @@ class FormatReward(Reward):
 @REWARDS.register("accuracy", kind=POINTWISE, modality="text",
                   description="answer vs ground truth by problem type (choice, numerical, OCR, free-form, regression)")
 class AccuracyReward(Reward):
-    """Correctness of the last ``<answer>`` block against ``meta["solution"]`` or ``meta["answer"]``.
+    """Correctness of the last ``<answer>`` block against ``meta["solution"]`` or ``meta["answer"]``; when that is a
+    list of acceptable answers (``["3", "three"]``, several OCR or free-form references), the best score over them
+    (:func:`ground_truths`).
 
     The rule follows ``meta["problem_type"]`` (Video-R1 types, aliases such as ``multiple_choice`` accepted):
 
@@ -345,7 +385,8 @@ class AccuracyReward(Reward):
 
     Both answers are first unwrapped from a ``\\boxed{}`` or ``$...$`` that encloses all of it
     (:func:`unwrap_answer`), so ``\\boxed{3.004}`` rounds as ``3.004`` does. A missing or blank answer block scores
-    0 (so does a blank box). A missing ground truth raises ``ValueError``.
+    0 (so does a blank box). A missing ground truth raises ``ValueError``. A temporal-grounding sample
+    (:func:`is_temporal_grounding`) scores NaN, does not apply: ``temporal_iou`` scores it.
 
     Args:
         default_type: problem type for samples whose meta has no ``problem_type`` (EasyR1 data); None requires it.
@@ -373,6 +414,8 @@ class AccuracyReward(Reward):
 
     def _rule(self, meta: dict[str, Any], row: int):
         raw = meta.get("problem_type", self.default_type)
+        if raw is not None and is_temporal_grounding(raw):
+            return None
         kind = None if raw is None else canonical_problem_type(raw)
         if kind is None:
             if self.unknown_type == "nan":
@@ -392,9 +435,9 @@ class AccuracyReward(Reward):
             if rule is None:
                 scores.append(math.nan)
                 continue
-            gt = ground_truth(meta, row, "accuracy", self.answer_tag)
+            references = ground_truths(meta, row, "accuracy", self.answer_tag)
             pred = unwrap_answer(last_tagged(text, self.answer_tag) or "")
-            scores.append(rule(pred, gt) if pred else 0.0)
+            scores.append(max(rule(pred, gt) for gt in references) if pred else 0.0)
         return torch.tensor(scores, dtype=torch.float64)
 
 
@@ -468,8 +511,9 @@ joins two numbers (``3 to -5``)."""
 
 
 def parse_interval(value: Any) -> tuple[float, float] | None:
-    """``(start, end)`` seconds from ``[s, e]``, ``s-e``, ``s to e`` (exactly two non-negative numbers, start <= end)
-    or from a 2-sequence of numbers; None otherwise (also for a sequence holding something that is not a number)."""
+    """``(start, end)`` seconds from ``[s, e]``, ``s-e``, ``s to e`` (exactly two finite non-negative numbers,
+    start <= end) or from a 2-sequence of numbers; None otherwise (also for a sequence holding something that is not
+    a number, or ``inf``)."""
     if isinstance(value, (list, tuple)):
         try:
             numbers = [float(v) for v in value]
@@ -479,7 +523,7 @@ def parse_interval(value: Any) -> tuple[float, float] | None:
         return None
     else:
         numbers = [float(v) for v in _SECONDS_RE.findall(str(value))]
-    if len(numbers) != 2 or not 0 <= numbers[0] <= numbers[1]:
+    if len(numbers) != 2 or not 0 <= numbers[0] <= numbers[1] < math.inf:
         return None
     return numbers[0], numbers[1]
 
@@ -502,18 +546,41 @@ class TemporalIoU(Reward):
     unparsable answer, or one with start > end, scores 0. The ground truth may be a list ``[s, e]`` or text in the
     same forms, wrapped in answer tags or not; an unparsable ground truth raises ``ValueError``.
 
+    A sample is temporal grounding when its meta has no ``problem_type`` or a temporal-grounding one
+    (:func:`is_temporal_grounding`). One of ``accuracy``'s problem types (``multiple choice``, ...) scores NaN
+    (does not apply), whatever its ground truth, so a batch may mix both kinds; ``conditional``: a batch with no
+    temporal-grounding sample is expected.
+
     Args:
         answer_tag: name of the answer tag.
+        unknown_type: for any other problem type, ``"raise"`` a ``ValueError`` naming it, or score it ``"nan"``.
     """
 
     modality = "text"
+    conditional = True
 
-    def __init__(self, answer_tag: str = "answer"):
-        self.answer_tag = answer_tag
+    def __init__(self, answer_tag: str = "answer", unknown_type: str = "raise"):
+        if unknown_type not in ("raise", "nan"):
+            raise ValueError(f"temporal_iou: unknown_type must be 'raise' or 'nan'; got {unknown_type!r}")
+        self.answer_tag, self.unknown_type = answer_tag, unknown_type
+
+    def applies(self, meta: dict[str, Any], row: int) -> bool:
+        """Whether sample ``row`` is temporal grounding; ``ValueError`` for an unknown type under ``"raise"``."""
+        kind = meta.get("problem_type")
+        if kind is None or is_temporal_grounding(kind):
+            return True
+        if canonical_problem_type(kind) is None and self.unknown_type == "raise":
+            raise ValueError(f"temporal_iou: unknown problem_type {kind!r} (sample {row}); valid: none or "
+                             f"'temporal grounding' (scored), {', '.join(PROBLEM_TYPES)} (NaN), or set "
+                             f"unknown_type='nan'")
+        return False
 
     def __call__(self, batch: RewardBatch) -> torch.Tensor:
         scores = []
         for row, (text, meta) in enumerate(zip(completions_or_raise(batch, "temporal_iou"), batch.meta)):
+            if not self.applies(meta, row):
+                scores.append(math.nan)
+                continue
             raw = raw_ground_truth(meta)
             gt = parse_interval(raw if isinstance(raw, (list, tuple)) else
                                 ground_truth(meta, row, "temporal_iou", self.answer_tag))

@@ -4,6 +4,7 @@ import math
 import re
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -404,3 +405,91 @@ def test_a_custom_answer_tag_still_unwraps_video_r1_ground_truths():
     assert score("accuracy", ["<final>B</final>", "<final>C</final>"], meta, answer_tag="final") == [1.0, 1.0]
     assert score("temporal_iou", ["<final>[4, 8]</final>"], [{"solution": "<answer>[4, 8]</answer>"}],
                  answer_tag="final") == [1.0]
+
+
+# ---------------------------------------------------------------- several acceptable ground truths
+
+@pytest.mark.parametrize("problem_type, references, pred, expected", [
+    ("free-form", ["the cat sat", "a dog ran"], "a dog ran", 1.0),
+    ("OCR", ["the cat sat on", "the cat sat"], "the cat sat", 1.0),
+    ("OCR", ["the cat sat on", "x y"], "the cat sat", 0.75),  # the best of 0.75 and 0
+    ("numerical", ["2", 3], "3", 1.0),  # a number among the references
+    ("numerical", ("2", "3"), "4", 0.0),
+    ("regression", ["10", "20"], "18", 0.9),  # max(0.2, 0.9)
+    ("multiple choice", ["B", "<answer>C</answer>"], "C", 1.0),  # each reference unwrapped on its own
+    ("multiple choice", ["B", "C"], "B", 1.0), ("multiple choice", ["B", "C"], "A", 0.0),
+])
+def test_accuracy_takes_the_best_of_several_references(problem_type, references, pred, expected):
+    for column in ("solution", "answer"):
+        out = score("accuracy", [f"<answer>{pred}</answer>"], [{"problem_type": problem_type, column: references}])
+        assert out == [pytest.approx(expected)]
+
+
+@pytest.mark.parametrize("references, message", [
+    ([], r"^reward 'accuracy': sample 1 has an empty list of ground truths$"),
+    (["B", {"text": "B"}], r"^reward 'accuracy': sample 1 ground truth 1 is a dict, not a string or number$"),
+    ([None], r"^reward 'accuracy': sample 1 ground truth 0 is a NoneType, not a string or number$"),
+    ([True], r"^reward 'accuracy': sample 1 ground truth 0 is a bool, not a string or number$"),
+    ([["B"]], r"^reward 'accuracy': sample 1 ground truth 0 is a list, not a string or number$"),
+    (["B", " "], r"^reward 'accuracy': sample 1 has an empty ground truth$"),
+])
+def test_a_bad_list_of_references_is_one_line_naming_the_sample(references, message):
+    meta = [{"problem_type": "OCR", "solution": "B"}, {"problem_type": "OCR", "solution": references}]
+    with pytest.raises(ValueError, match=message):
+        score("accuracy", ["<answer>B</answer>"] * 2, meta)
+
+
+# ---------------------------------------------------------------- temporal IoU in a batch of several problem types
+
+def test_temporal_iou_does_not_apply_to_other_problem_types():
+    meta = [{"problem_type": "multiple choice", "solution": "<answer>B</answer>"},
+            {"solution": [4, 8]},  # no problem type: temporal grounding, as before
+            {"problem_type": "temporal grounding", "solution": "<answer>[4, 8]</answer>"},
+            {"problem_type": "numerical", "answer": "7"},
+            {"problem_type": "Temporal_Grounding", "solution": [4, 6]},
+            {"problem_type": "free-form"}]  # another type needs no ground truth here
+    out = score("temporal_iou", ["<answer>[4, 8]</answer>"] * 6, meta)
+    assert ["nan" if math.isnan(x) else x for x in out] == ["nan", 1.0, 1.0, "nan", 0.5, "nan"]
+
+
+def test_temporal_iou_still_refuses_a_bad_interval_on_a_temporal_grounding_row():
+    meta = [{"problem_type": "OCR", "solution": "soon"}, {"problem_type": "temporal grounding", "solution": "soon"}]
+    with pytest.raises(ValueError, match="^temporal_iou: sample 1 ground truth 'soon' is not an interval"):
+        score("temporal_iou", ["<answer>[1, 2]</answer>"] * 2, meta)
+    with pytest.raises(ValueError, match="sample 0 has no 'solution' or 'answer'"):
+        score("temporal_iou", ["<answer>[1, 2]</answer>"], [{"problem_type": "temporal grounding"}])
+
+
+def test_temporal_iou_unknown_problem_type_raises_or_does_not_apply():
+    meta = [{"solution": [1, 2]}, {"problem_type": "spatial grounding", "solution": [1, 2, 3, 4]}]
+    with pytest.raises(ValueError, match=r"^temporal_iou: unknown problem_type 'spatial grounding' \(sample 1\)"):
+        score("temporal_iou", ["<answer>[1, 2]</answer>"] * 2, meta)
+    out = score("temporal_iou", ["<answer>[1, 2]</answer>"] * 2, meta, unknown_type="nan")
+    assert out[0] == 1.0 and math.isnan(out[1])
+    with pytest.raises(ValueError, match="temporal_iou: unknown_type must be"):
+        build_reward("temporal_iou", {"unknown_type": "skip"})
+
+
+def test_accuracy_does_not_apply_to_temporal_grounding_rows():
+    meta = [{"problem_type": "temporal grounding", "solution": [4, 8]}, {"problem_type": "OCR", "solution": "a b"}]
+    out = score("accuracy", ["<answer>[4, 8]</answer>", "<answer>a b</answer>"], meta)
+    assert math.isnan(out[0]) and out[1] == 1.0
+
+
+def test_a_batch_without_temporal_grounding_rows_is_expected_by_the_zoo():
+    from mmgrpo.config import RewardSpec
+    from mmgrpo.rewards import RewardZoo
+
+    zoo = RewardZoo([RewardSpec(name="temporal_iou", args={})], max_workers=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        main, _, _ = zoo(text_batch(["<answer>B</answer>"] * 2, [{"problem_type": "multiple choice",
+                                                                  "solution": "B"}] * 2))
+    assert main.isnan().all() and zoo.nan_counts["temporal_iou"] == 2
+
+
+@pytest.mark.parametrize("bad", [[0, math.inf], ["1", "nan"], [0.0, float("-inf")], ["0", "inf"]])
+def test_an_infinite_ground_truth_interval_is_refused(bad):
+    assert parse_interval(bad) is None
+    with pytest.raises(ValueError, match="is not an interval"):
+        score("temporal_iou", ["<answer>[0, 5]</answer>"], [{"solution": bad}])
