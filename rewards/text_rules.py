@@ -389,7 +389,8 @@ class AccuracyReward(Reward):
     (:func:`is_temporal_grounding`) scores NaN, does not apply: ``temporal_iou`` scores it.
 
     Args:
-        default_type: problem type for samples whose meta has no ``problem_type`` (EasyR1 data); None requires it.
+        default_type: problem type for samples whose meta has no ``problem_type``, or a None one (EasyR1 data);
+            None requires it.
         unknown_type: ``"raise"`` a ``ValueError`` naming an unknown or missing problem type, or score it ``"nan"``
             (does not apply).
         answer_tag: name of the answer tag, in completions and in wrapped ground truths (which may also be wrapped
@@ -413,7 +414,8 @@ class AccuracyReward(Reward):
         return sum(s.fmeasure for s in self.rouge.score(gt, pred).values()) / 3
 
     def _rule(self, meta: dict[str, Any], row: int):
-        raw = meta.get("problem_type", self.default_type)
+        raw = meta.get("problem_type")
+        raw = self.default_type if raw is None else raw
         if raw is not None and is_temporal_grounding(raw):
             return None
         kind = None if raw is None else canonical_problem_type(raw)

@@ -493,3 +493,10 @@ def test_an_infinite_ground_truth_interval_is_refused(bad):
     assert parse_interval(bad) is None
     with pytest.raises(ValueError, match="is not an interval"):
         score("temporal_iou", ["<answer>[0, 5]</answer>"], [{"solution": bad}])
+
+
+def test_a_null_problem_type_takes_the_default_type():
+    """A dataset with a problem_type column holds None in the rows that have none: the default applies, as for a
+    missing key (a null solution likewise counts as missing)."""
+    meta = [{"problem_type": None, "answer": "7"}, {"answer": "7"}]
+    assert score("accuracy", ["<answer>7</answer>"] * 2, meta, default_type="numerical") == [1.0, 1.0]
