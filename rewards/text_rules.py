@@ -439,7 +439,10 @@ class AccuracyReward(Reward):
                 continue
             references = ground_truths(meta, row, "accuracy", self.answer_tag)
             pred = unwrap_answer(last_tagged(text, self.answer_tag) or "")
-            scores.append(max(rule(pred, gt) for gt in references) if pred else 0.0)
+            try:
+                scores.append(max(rule(pred, gt) for gt in references) if pred else 0.0)
+            except ValueError as err:  # a ground truth the rule cannot read (regression's non-number)
+                raise ValueError(f"accuracy: sample {row}: {err}") from err
         return torch.tensor(scores, dtype=torch.float64)
 
 

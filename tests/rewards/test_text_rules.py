@@ -500,3 +500,9 @@ def test_a_null_problem_type_takes_the_default_type():
     missing key (a null solution likewise counts as missing)."""
     meta = [{"problem_type": None, "answer": "7"}, {"answer": "7"}]
     assert score("accuracy", ["<answer>7</answer>"] * 2, meta, default_type="numerical") == [1.0, 1.0]
+
+
+def test_a_regression_ground_truth_that_is_not_a_number_names_the_sample():
+    meta = [{"problem_type": "regression", "solution": "10"}, {"problem_type": "regression", "solution": ["10", "ten"]}]
+    with pytest.raises(ValueError, match=r"^accuracy: sample 1: regression ground truth 'ten' is not a number$"):
+        score("accuracy", ["<answer>10</answer>"] * 2, meta)
