@@ -1,11 +1,13 @@
 """The ``remote`` reward: scores through a reward server (``mmgrpo serve-rewards``, :mod:`.server`).
 
 Also the small JSON-over-HTTP client (standard library only) that it and the OpenAI-compatible judge backend share:
-timeouts, retries with exponential backoff, and one-line errors that name the URL.
+timeouts, retries with exponential backoff (or the server's ``Retry-After``), and one-line errors that name the URL.
 """
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import http.client
 import json
 import math
@@ -35,14 +37,27 @@ from .server import (
 
 RETRY_STATUS = (429, 502, 503, 504)
 """HTTP answers worth retrying: rate limited, or a proxy / server that is (re)starting or overloaded."""
+TOO_LARGE = 413
+"""HTTP answer to a request over the server's size limit: the remote reward sends it again in halves."""
 MAX_BACKOFF = 30.0
+"""Longest wait before a retry, in seconds: the doubled backoff and a server's ``Retry-After`` alike."""
 FAILURE_POLICIES = ("error", "nan")
 # loopback traffic never goes through a proxy from the environment
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class RemoteError(RuntimeError):
-    """An HTTP request that failed for good; ``str()`` is one line that names the URL."""
+    """An HTTP request that failed for good; ``str()`` is one line that names the URL. ``status`` is the HTTP status
+    of the answer that ended it; None when there was none (no connection, a timeout) or the answer was unusable."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class RemoteRefused(RemoteError):
+    """The reward server refused a request in a way every later request would be refused too (a rejected token, a
+    wrong URL or reward, a request it cannot read, a single sample over its size limit): never scored NaN."""
 
 
 class WireVersionError(RuntimeError):
@@ -55,35 +70,63 @@ def request_json(url: str, payload: Any = None, *, body: bytes | None = None, co
     """GET ``url``, or POST ``payload`` as JSON (or a ready ``body`` of ``content_type``); the decoded JSON answer.
 
     Connection failures, timeouts and 429/502/503/504 answers are retried ``retries`` times, waiting ``backoff``
-    seconds, doubled after each attempt (at most 30 s). Other HTTP errors and undecodable answers fail at once.
-    ``timeout`` is the socket timeout of each attempt. Raises :class:`RemoteError`."""
+    seconds, doubled after each attempt (at most 30 s); when such an answer carries ``Retry-After``, the next attempt
+    waits that long instead, at most ``timeout`` and 30 s. Other HTTP errors and undecodable answers fail at once.
+    ``timeout`` is the socket timeout of each attempt. Raises :class:`RemoteError` (with the HTTP ``status``)."""
     if payload is not None:
         body = json.dumps(payload).encode("utf-8")
     method = "GET" if body is None else "POST"
     head = {"Accept": JSON_TYPE, **({} if body is None else {"Content-Type": content_type}), **(headers or {})}
     opener = _DIRECT if is_loopback(urllib.parse.urlsplit(url).hostname or "") else urllib.request.build_opener()
-    problem = ""
+    problem, status, wait = "", None, None
     for attempt in range(retries + 1):
         if attempt:
-            time.sleep(min(backoff * 2 ** (attempt - 1), MAX_BACKOFF))
+            time.sleep(min(backoff * 2 ** (attempt - 1) if wait is None else wait, MAX_BACKOFF))
         try:
             with opener.open(urllib.request.Request(url, data=body, headers=head, method=method),
                              timeout=timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as err:
-            problem = f"HTTP {err.code}: {_error_text(err)}"
+            status, problem = err.code, f"HTTP {err.code}: {_error_text(err)}"
             if err.code not in RETRY_STATUS:
-                raise RemoteError(f"{method} {url} failed: {problem}") from None
+                raise RemoteError(f"{method} {url} failed: {problem}", status) from None
+            wait = retry_after_seconds(err.headers.get("Retry-After") if err.headers else None)
+            wait = None if wait is None else min(wait, timeout)
             continue
         except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out (URLError is an OSError)
-            problem = f"{type(err).__name__}: {one_line(getattr(err, 'reason', err), 200)}"
+            problem, status, wait = f"{type(err).__name__}: {one_line(getattr(err, 'reason', err), 200)}", None, None
             continue
         try:
             return json.loads(raw)
         except ValueError:
             raise RemoteError(f"{method} {url} answered something that is not JSON: "
                               f"{one_line(raw[:200].decode('utf-8', 'replace'))}") from None
-    raise RemoteError(f"{method} {url} failed after {retries + 1} attempts: {problem}")
+    raise RemoteError(f"{method} {url} failed after {retries + 1} attempts: {problem}", status)
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """The wait in seconds a ``Retry-After`` header asks for: a number of seconds (fractions accepted) or an HTTP
+    date (0 when past; ``now`` is the current Unix time, default the clock's). None when absent or unreadable."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            date = email.utils.parsedate_to_datetime(value.strip())
+        except (TypeError, ValueError, IndexError):
+            return None
+        if date.tzinfo is None:  # "-0000": UTC as well
+            date = date.replace(tzinfo=datetime.timezone.utc)
+        return max(0.0, date.timestamp() - (time.time() if now is None else now))
+    return seconds if 0 <= seconds < math.inf else None
+
+
+def is_setup_mistake(status: int | None) -> bool:
+    """Whether an HTTP answer is one that every later request would get too, so retrying or scoring NaN only hides
+    it: a 4xx (400 bad request, 401/403 token, 404 URL, 422 shape...) but 408 (timed out), 413 (the request can be
+    split) and 429 (rate limited)."""
+    return status is not None and 400 <= status < 500 and status not in (408, TOO_LARGE, 429)
 
 
 def _error_text(err: urllib.error.HTTPError) -> str:
@@ -113,6 +156,23 @@ def group_chunks(group: torch.Tensor, max_batch: int) -> list[list[int]]:
     return chunks
 
 
+def halves(rows: list[int], group: list[int] | None = None) -> list[list[int]]:
+    """``rows`` of a batch in two halves, for a request the server found too large: by samples, or, given the
+    rows' ``group`` ids, by whole groups (a groupwise reward must see whole groups). Empty when they cannot be split
+    (one sample; one group)."""
+    if group is None:
+        units = [[row] for row in rows]
+    else:
+        by_group: dict[int, list[int]] = {}
+        for row, gid in zip(rows, group, strict=True):
+            by_group.setdefault(gid, []).append(row)
+        units = list(by_group.values())
+    if len(units) < 2:
+        return []
+    middle = len(units) // 2
+    return [[row for unit in units[:middle] for row in unit], [row for unit in units[middle:] for row in unit]]
+
+
 @REWARDS.register("remote", kind=POINTWISE, modality="any",
                   description="a reward served by `mmgrpo serve-rewards`, scored over HTTP in batches")
 class RemoteReward(Reward):
@@ -120,10 +180,12 @@ class RemoteReward(Reward):
     (as ``score`` and the sub-score names).
 
     The batch is sent in requests of at most ``max_batch`` samples that hold whole groups, so groupwise server
-    rewards see whole groups. Images and videos travel in memory as ``encoding`` arrays (see :mod:`.server`). Each
-    request carries a random ``request_id``, so a retry after a timeout is answered from the server's first scoring
-    of it, not scored twice. Before its first request the reward reads the server's ``/health`` (with the same
-    retries) and raises :class:`WireVersionError` if the server speaks another wire version.
+    rewards see whole groups. A request the server finds too large (413) is sent again in two halves, recursively,
+    down to one sample (one group for a groupwise reward). Images and videos travel in memory as ``encoding``
+    arrays (see :mod:`.server`). Each request carries a random ``request_id``, so a retry after a timeout is answered
+    from the server's first scoring of it, not scored twice. Before its first request the reward reads the server's
+    ``/health`` (with the same retries) and raises :class:`WireVersionError` if the server speaks another wire
+    version.
 
     Args:
         url: the server's base URL, ``http://host:port``.
@@ -132,10 +194,13 @@ class RemoteReward(Reward):
         max_batch: most samples per request (a group larger than this is sent alone).
         timeout: socket timeout of each request, in seconds.
         retries: extra attempts after a connection failure, a timeout or a 429/502/503/504 answer.
-        backoff: seconds before the first retry, doubled after each attempt (at most 30 s).
+        backoff: seconds before the first retry, doubled after each attempt (at most 30 s); a ``Retry-After`` in
+            the answer replaces it (at most ``timeout`` and 30 s).
         on_failure: ``error`` raises a one-line error naming the URL; ``nan`` scores the samples of failed
             requests NaN ("does not apply"), in the main score and every sub-score the server reward has returned
-            so far (so the reward's output keeps its names), and warns (``failed_requests`` counts them).
+            so far (so the reward's output keeps its names), and warns (``failed_requests`` counts them). Under
+            both, a setup mistake (:func:`is_setup_mistake`: a rejected token, a wrong URL or reward...) and a
+            single sample over the server's size limit raise :class:`RemoteRefused` at once.
         token_env: environment variable holding the server's token, sent as ``Authorization: Bearer`` when set
             (surrounding whitespace dropped).
         encoding: pixels on the wire, ``float16`` or ``uint8``.
@@ -210,19 +275,42 @@ class RemoteReward(Reward):
                 raise RemoteError(f"POST {endpoint} answered {values.numel()} values of '{key}' for {len(batch)} samples")
         return out
 
+    def _score(self, batch: RewardBatch, rows: list[int], parts: list[tuple[list[int], dict[str, torch.Tensor]]],
+               failed: list[str]) -> None:
+        """Append ``(rows, scores)`` of ``rows`` of ``batch`` to ``parts``, in requests of halves while the server
+        finds them too large; a failed request's message to ``failed`` under on_failure=nan, else it raises."""
+        try:
+            whole = rows == list(range(len(batch)))  # the batch as it is (rows are grouped, not sorted)
+            parts.append((rows, self._request(batch if whole else batch.select(rows))))
+            return
+        except RemoteError as err:
+            error = err
+        if error.status == TOO_LARGE:
+            group = batch.group.tolist()
+            split = halves(rows, [group[row] for row in rows] if self.kind == GROUPWISE else None)
+            for half in split:
+                self._score(batch, half, parts, failed)
+            if split:
+                return
+        label = f"remote reward {repr(self.reward) if self.reward else '(the only one served)'} at {self.url}"
+        if error.status == TOO_LARGE:
+            unit = "group" if self.kind == GROUPWISE else "sample"
+            raise RemoteRefused(f"{label}: {error} (even a single {unit} is too large for the server: raise its "
+                                "max_request_mb, or send smaller pixels with encoding: uint8)", error.status)
+        if is_setup_mistake(error.status):
+            raise RemoteRefused(f"{label}: {error} (a setup mistake: not retried, whatever on_failure says)",
+                                error.status)
+        if self.on_failure == "error":
+            raise error
+        self.failed_requests += 1
+        failed.append(str(error))
+
     def __call__(self, batch: RewardBatch) -> torch.Tensor | dict[str, torch.Tensor]:
         """The server's scores for ``batch``: one tensor, or a dict when the server reward has sub-scores."""
         parts: list[tuple[list[int], dict[str, torch.Tensor]]] = []
         failed: list[str] = []
         for rows in group_chunks(batch.group, self.max_batch):
-            try:
-                whole = rows == list(range(len(batch)))  # the batch as it is (rows are grouped, not sorted)
-                parts.append((rows, self._request(batch if whole else batch.select(rows))))
-            except RemoteError as err:
-                if self.on_failure == "error":
-                    raise
-                self.failed_requests += 1
-                failed.append(str(err))
+            self._score(batch, rows, parts, failed)
         if failed:
             warnings.warn(f"remote reward: {len(failed)} request(s) failed, their samples score NaN: {failed[0]}",
                           RuntimeWarning, stacklevel=2)

@@ -24,7 +24,14 @@ from mmgrpo.registry import REWARDS
 from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards import bench as reward_bench
 from mmgrpo.rewards import server as server_mod
-from mmgrpo.rewards.remote import RemoteError, RemoteReward, WireVersionError, group_chunks, request_json
+from mmgrpo.rewards.remote import (
+    RemoteError,
+    RemoteRefused,
+    RemoteReward,
+    WireVersionError,
+    group_chunks,
+    request_json,
+)
 from mmgrpo.rewards.server import (
     BINARY_TYPE,
     JSON_TYPE,
@@ -331,9 +338,16 @@ def test_a_taken_port_is_a_one_line_error():
 
 
 def test_request_size_limit():
-    too_large = pytest.raises(RemoteError, match="HTTP 413: request of .* bytes is over the limit of 10485 bytes")
-    with RewardServer([RewardSpec(name="sharpness")], port=0, max_request_mb=0.01).start() as server, too_large:
-        RemoteReward(server.url)(image_batch(8))
+    """8 images of 16 px in float16 (12 KB) are over the 10 KB limit: the client sends them again as two requests of
+    4 and gets the in-process scores. One 64 px image (24 KB) alone is too large: refused, whatever on_failure says."""
+    batch = image_batch(8)
+    with RewardServer([RewardSpec(name="sharpness")], port=0, max_request_mb=0.01).start() as server:
+        with pytest.raises(RemoteError, match="HTTP 413: request of .* bytes is over the limit of 10485 bytes"):
+            request_json(server.url + "/v1/score", body=encode_request(batch)[1], content_type=BINARY_TYPE)
+        assert torch.equal(RemoteReward(server.url)(batch), RewardZoo([RewardSpec(name="sharpness")])(batch)[0][:, 0])
+        big = RewardBatch(prompts=["p"], group=torch.zeros(1, dtype=torch.long), images=torch.rand(1, 3, 64, 64))
+        with pytest.raises(RemoteRefused, match="HTTP 413: .* \\(even a single sample is too large for the server"):
+            RemoteReward(server.url, on_failure="nan")(big)
 
 
 # ---------------------------------------------------------------------------------------------------- security
