@@ -57,6 +57,9 @@ class VLMSample:
     """``file:line`` of the record, for messages."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Every other field of the record."""
+    references: list[str | int | float] | None = None
+    """The ground truth when the record gives a list, as given: several acceptable answers (``["3", "three"]``,
+    scored by the best) or a ``[start, end]`` interval in seconds (``temporal_iou``); None otherwise."""
 
 
 def _json_lines(text: str, name: str) -> list[tuple[int, Any]]:
@@ -138,6 +141,19 @@ def _text(record: dict, key: str, source: str, fmt: str) -> str:
     return text
 
 
+def _references(value: Any, key: str, source: str) -> list[str | int | float] | None:
+    """A list ground truth as given (None for any other value); ConfigError naming ``source`` when it is empty or
+    holds something other than strings and numbers."""
+    if not isinstance(value, list):
+        return None
+    if not value:
+        raise ConfigError(f"{source}: field '{key}' is an empty list")
+    bad = [item for item in value if isinstance(item, bool) or not isinstance(item, (str, int, float))]
+    if bad:
+        raise ConfigError(f"{source}: field '{key}' must hold strings or numbers, got {json.dumps(bad[0])[:40]}")
+    return list(value)
+
+
 def _parse_record(record: Any, source: str, root: Path) -> VLMSample:
     """One decoded record -> VLMSample (format detected as in the module notes); ConfigError naming ``source``."""
     if not isinstance(record, dict):
@@ -151,6 +167,7 @@ def _parse_record(record: Any, source: str, root: Path) -> VLMSample:
                           f"(EasyR1 format)")
     question = _text(record, "problem", source, fmt)
     solution = _text(record, truth, source, fmt)
+    references = _references(record[truth], truth, source)
     raw_type = record.get("problem_type")
     if raw_type is None and fmt == "Video-R1":
         raise ConfigError(f"{source}: missing required field 'problem_type' (Video-R1 format)")
@@ -174,6 +191,7 @@ def _parse_record(record: Any, source: str, root: Path) -> VLMSample:
             media[kind] += _media_list(record[key], key, source)
     return VLMSample(
         question=question, problem_type=problem_type, options=[str(o) for o in options], solution=solution,
+        references=references,
         images=[Path(os.path.abspath(root / Path(p).expanduser())) for p in media["image"]],
         videos=[Path(os.path.abspath(root / Path(p).expanduser())) for p in media["video"]],
         source=source, extra={k: v for k, v in record.items() if k not in _CONSUMED})
@@ -326,11 +344,14 @@ def chat_content(text: str, n_images: int, n_videos: int) -> list[dict[str, str]
 def reward_meta(sample: VLMSample) -> dict[str, Any]:
     """The per-sample ``meta`` the rewards read: the record's extra fields, then ``solution`` (as given), ``answer``
     (the ground truth without ``<answer>`` tags), ``options``, ``source`` and ``problem_type``. ``problem_type`` is
-    left out when the sample has none, so a reward's own default (``accuracy``'s ``default_type``) applies."""
+    left out when the sample has none, so a reward's own default (``accuracy``'s ``default_type``) applies. A list
+    ground truth (:attr:`VLMSample.references`) is passed as the list in both ``solution`` and ``answer``."""
     inner = last_tagged(sample.solution)
     meta = dict(sample.extra)
     meta.update(solution=sample.solution, answer=(sample.solution if inner is None else inner).strip(),
                 options=list(sample.options), source=sample.source)
+    if sample.references is not None:
+        meta.update(solution=list(sample.references), answer=list(sample.references))
     if sample.problem_type is not None:
         meta["problem_type"] = sample.problem_type
     return meta

@@ -26,7 +26,7 @@ from mmgrpo.pipelines.vlm.data import (
 from mmgrpo.pipelines.vlm.synthetic import make_count_clip, make_motion_clip, write_tiny_dataset
 from mmgrpo.pipelines.vlm.video import decode_video
 from mmgrpo.rewards import AccuracyReward, RewardBatch
-from mmgrpo.rewards.text_rules import PROBLEM_TYPES
+from mmgrpo.rewards.text_rules import PROBLEM_TYPES, TemporalIoU
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "assets" / "data" / "vlm_tiny"
@@ -304,6 +304,33 @@ def test_reward_meta_feeds_accuracy_reward(root: Path):
     assert AccuracyReward(default_type="numerical")(batch).tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="unknown problem_type"):
         AccuracyReward()(batch)
+
+
+def test_a_list_ground_truth_reaches_the_rewards_as_a_list(root: Path):
+    """Several acceptable answers are scored by the best; a [start, end] list is temporal_iou's interval."""
+    path = write_jsonl(root / "d.jsonl", [
+        {"problem": "How many?", "answer": ["3 shapes", "three shapes"], "problem_type": "free-form",
+         "videos": ["v1.mp4"]},
+        {"problem": "When?", "answer": [4, 8], "videos": ["v1.mp4"]},
+    ])
+    words, interval = read_samples(path, root)
+    meta = [reward_meta(words), reward_meta(interval)]
+    assert meta[0]["solution"] == meta[0]["answer"] == ["3 shapes", "three shapes"] and meta[1]["answer"] == [4, 8]
+    batch = RewardBatch(prompts=["p"], group=torch.tensor([0]), completions=["<think>.</think><answer>three shapes</answer>"],
+                        meta=meta[:1])
+    assert AccuracyReward()(batch).tolist() == [1.0]
+    batch = RewardBatch(prompts=["p"], group=torch.tensor([0]), completions=["<think>.</think><answer>[4, 6]</answer>"],
+                        meta=meta[1:])
+    assert TemporalIoU()(batch).tolist() == [0.5]
+
+
+@pytest.mark.parametrize("answer, message", [([], "'answer' is an empty list"),
+                                             (["3", None], "'answer' must hold strings or numbers, got null"),
+                                             ([True], "'answer' must hold strings or numbers, got true")])
+def test_a_bad_list_ground_truth_names_the_record(root: Path, answer, message):
+    path = write_jsonl(root / "d.jsonl", [{"problem": "How many?", "answer": answer, "videos": ["v1.mp4"]}])
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:1: field {message}")):
+        read_samples(path, root)
 
 
 def test_shipped_tiny_dataset_reads():
