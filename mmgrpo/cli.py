@@ -92,11 +92,11 @@ def trained_config_changes(cfg: Any, found: Path | None) -> list[str]:
 
 def output_tag(directory: Path, kind: str, checkpoint: Path | None) -> str:
     """A file stem in ``directory`` for ``kind`` ("eval", "sample") outputs of ``checkpoint`` that no earlier file
-    has: ``sample-step-20``, ``sample-base`` (no checkpoint), then ``sample-step-20-2``... so nothing is
-    overwritten."""
+    or folder (``sample``'s per-sample one) has: ``sample-step-20``, ``sample-base`` (no checkpoint), then
+    ``sample-step-20-2``... so nothing is overwritten."""
     stem = f"{kind}-{checkpoint.name if checkpoint is not None else 'base'}"
     tag, n = stem, 1
-    while any(directory.glob(f"{tag}.*")):
+    while (directory / tag).exists() or any(directory.glob(f"{tag}.*")):
         n += 1
         tag = f"{stem}-{n}"
     return tag
@@ -214,7 +214,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     if len(batch) == 0:
         raise RunError(f"none of the {len(items)} items could be sampled: all were skipped")
     out = Path(cfg.output_dir) / "samples"
-    for path in policy.save_samples(batch, out, output_tag(out, "sample", found)):
+    for path in policy.save_samples(batch, out, output_tag(out, "sample", found), per_sample=True):
         print(f"wrote {path}")
     return 0
 

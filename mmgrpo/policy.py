@@ -8,6 +8,7 @@ reference. A *unit* is whatever one log-prob belongs to: a denoising step (flow)
 from __future__ import annotations
 
 import copy
+import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -203,13 +204,70 @@ class Policy(ABC):
     def generate(self, items: list[dict]) -> Any:
         """One sample per item (with the eval sampler settings), as a reward batch, for eval and ``sample``."""
 
-    def save_samples(self, batch: Any, directory: Path, tag: str) -> list[Path]:
-        """Write a batch of samples for people to look at (image grids, videos, text). Returns the files."""
+    def save_samples(self, batch: Any, directory: Path, tag: str, per_sample: bool = False) -> list[Path]:
+        """Write a batch of samples for people to look at (image grids, videos, text). Returns the files.
+
+        ``per_sample`` (``mmgrpo sample``): also a ``tag/`` folder with each sample's media as its own file, where
+        the pipeline has media, and ``tag/index.json`` (:func:`write_sample_index`)."""
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{tag}.txt"
-        lines = [f"{p}\t{c}" for p, c in zip(batch.prompts, batch.completions or [""] * len(batch))]
-        path.write_text("\n".join(lines) + "\n")
-        return [path]
+        completions = batch.completions or [""] * len(batch)
+        path.write_text("\n".join(f"{p}\t{c}" for p, c in zip(batch.prompts, completions)) + "\n")
+        if not per_sample:
+            return [path]
+        return [path, write_sample_index(directory / tag, batch.prompts, batch.group, completion=completions)]
+
+
+SAMPLE_INDEX = "index.json"
+"""The index that ``save_samples(..., per_sample=True)`` writes into its ``<tag>/`` folder."""
+
+
+def sample_positions(group: Any) -> list[tuple[int, int]]:
+    """(prompt index, sample index) of each sample of a batch with (N,) group ids: prompts numbered in the order
+    their group first appears, samples in batch order within their group."""
+    prompts: dict[int, int] = {}
+    counts: dict[int, int] = {}
+    out = []
+    for g in map(int, group):
+        out.append((prompts.setdefault(g, len(prompts)), counts.get(g, 0)))
+        counts[g] = counts.get(g, 0) + 1
+    return out
+
+
+def sample_stems(group: Any) -> list[str]:
+    """A file stem per sample, ``p000-s00`` (prompt and sample index of :func:`sample_positions`), zero-padded to
+    at least 3 and 2 digits and to the batch's largest index, so the names sort in (prompt, sample) order."""
+    positions = sample_positions(group)
+    widths = [max(minimum, len(str(max(pos[i] for pos in positions)))) for i, minimum in ((0, 3), (1, 2))]
+    return [f"p{p:0{widths[0]}d}-s{s:0{widths[1]}d}" for p, s in positions]
+
+
+def write_sample_index(folder: Path, prompts: list[str], group: Any, files: list[str] | None = None,
+                       seeds: list[int | None] | None = None, **columns: list) -> Path:
+    """``folder/index.json``: ``{"tag": folder name, "samples": [...]}`` with one record per sample, in batch
+    order: ``file`` (name in ``folder``, null without one), ``prompt_index``, ``sample_index``
+    (:func:`sample_positions`), ``prompt``, ``seed`` (null when unknown) and each of ``columns`` (name -> one value
+    per sample). NaN floats are written as null."""
+    files = files or [None] * len(prompts)
+    seeds = seeds or [None] * len(prompts)
+    records = [{"file": f, "prompt_index": p, "sample_index": s, "prompt": prompt, "seed": seed,
+                **{name: values[i] for name, values in columns.items()}}
+               for i, (f, (p, s), prompt, seed) in enumerate(zip(files, sample_positions(group), prompts, seeds))]
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / SAMPLE_INDEX
+    path.write_text(json.dumps({"tag": folder.name, "samples": _nan_as_none(records)}, indent=1, allow_nan=False))
+    return path
+
+
+def _nan_as_none(value: Any) -> Any:
+    """``value`` (JSON-like) with every NaN float replaced by None."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_as_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_as_none(v) for v in value]
+    return value
 
 
 @dataclass

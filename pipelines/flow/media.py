@@ -129,3 +129,20 @@ def save_media(directory: Path, tag: str, prompts: list[str], images: torch.Tens
         raise ValueError("save_media needs images or videos")
     image_grid(images, prompts).save(grid_path)
     return [grid_path]
+
+
+def save_each(directory: Path, stems: list[str], images: torch.Tensor | None = None,
+              videos: torch.Tensor | None = None, fps: int = 8) -> list[Path]:
+    """Each sample as its own file ``directory/<stem>``, one stem per sample: a (3, H, W) image as ``.png`` at its
+    own size, a (T, 3, H, W) video as ``.mp4`` (``.gif`` without an encoder, as :func:`write_video`). Returns the
+    files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if videos is not None:
+        return [write_video(tile_videos(video[None]), directory / f"{stem}.mp4", fps)
+                for stem, video in zip(stems, videos, strict=True)]
+    if images is None:
+        raise ValueError("save_each needs images or videos")
+    paths = [directory / f"{stem}.png" for stem in stems]
+    for path, array in zip(paths, to_uint8(images), strict=True):
+        Image.fromarray(array).save(path)
+    return paths

@@ -34,7 +34,16 @@ from accelerate import PartialState
 from torch import Tensor
 
 from mmgrpo.grpo import clip_advantages, gaussian_mean_kl
-from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, merged_counters, rows_after_first_update
+from mmgrpo.policy import (
+    LogProbs,
+    Policy,
+    Rollout,
+    any_process,
+    merged_counters,
+    rows_after_first_update,
+    sample_stems,
+    write_sample_index,
+)
 from mmgrpo.rewards import RewardBatch
 
 from . import kernels, media, schedules, tree
@@ -125,10 +134,18 @@ class FlowPolicy(Policy):
         if state.is_file():
             self.rollouts = int(json.loads(state.read_text())["rollouts"])
 
-    def save_samples(self, batch: RewardBatch, directory: Path, tag: str) -> list[Path]:
-        """``tag.png``, a grid captioned with the prompts; for videos also ``tag.mp4`` (or ``tag.gif``)."""
+    def save_samples(self, batch: RewardBatch, directory: Path, tag: str, per_sample: bool = False) -> list[Path]:
+        """``tag.png``, a grid captioned with the prompts; for videos also ``tag.mp4`` (or ``tag.gif``).
+        ``per_sample``: also ``tag/p000-s00.png`` (or the clip, :func:`media.save_each`) per sample and
+        ``tag/index.json``, whose ``seed`` is the sample's ``meta["seed"]``: the noise seed of :meth:`generate`."""
         s = self.cfg.sampling
-        return media.save_media(directory, tag, batch.prompts, batch.images, batch.videos, s.fps)
+        files = media.save_media(directory, tag, batch.prompts, batch.images, batch.videos, s.fps)
+        if per_sample:
+            folder = directory / tag
+            each = media.save_each(folder, sample_stems(batch.group), batch.images, batch.videos, s.fps)
+            seeds = [m.get("seed") for m in batch.meta]
+            files.append(write_sample_index(folder, batch.prompts, batch.group, [f.name for f in each], seeds))
+        return files
 
     # ------------------------------------------------------------------------------------- building blocks
     def _chunks(self, n: int) -> list[Tensor]:
@@ -613,7 +630,7 @@ class FlowPolicy(Policy):
     def generate(self, items: list[dict]) -> RewardBatch:
         """One deterministic Euler-ODE sample per item with ``sampling.eval_num_steps`` steps; item i starts
         from noise seeded by ``seed`` and its prompt (or its ``seed`` key), so it does not depend on the
-        batch."""
+        batch. The sample's ``meta["seed"]`` is that noise seed."""
         s = self.cfg.sampling
         sigmas = self.adapter.sigmas(s.eval_num_steps, s.height, s.width, s.num_frames).float()
         embeds = self.adapter.encode([it["prompt"] for it in items], s.negative_prompt, s.guidance_scale)
@@ -623,4 +640,5 @@ class FlowPolicy(Policy):
             sigma = sigmas[i].expand(len(x)).to(self.device)
             v = self._chunked_velocity(x, sigma, embeds)
             x = kernels.ode_euler_step(x, v, sigma, float(sigmas[i + 1]))
-        return self._reward_batch(items, 1, torch.arange(len(items)), self._decode(x))
+        seeded = [{**it, "seed": seed} for it, seed in zip(items, seeds)]  # meta["seed"]: the sample's noise seed
+        return self._reward_batch(seeded, 1, torch.arange(len(items)), self._decode(x))

@@ -51,7 +51,7 @@ from mmgrpo.pipelines.vlm.vllm_backend import (
 )
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
 from mmgrpo.pipelines.vlm.whole_weights import whole_weights
-from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, merged_counters
+from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, merged_counters, write_sample_index
 from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards.consistency_bonus import LIKELIHOOD_KEY
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
@@ -565,8 +565,11 @@ class VLMPolicy(Policy):
                         meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
         return RewardBatch(prompts=prompts, group=torch.arange(len(prompts)), completions=texts, meta=meta)
 
-    def save_samples(self, batch: RewardBatch, directory: Path, tag: str) -> list[Path]:
-        """``directory/tag.md``: per sample the prompt, ground truth, completion and every configured reward."""
+    def save_samples(self, batch: RewardBatch, directory: Path, tag: str, per_sample: bool = False) -> list[Path]:
+        """``directory/tag.md``: per sample the prompt, ground truth, completion and every configured reward.
+        ``per_sample``: also ``tag/index.json`` (:func:`~mmgrpo.policy.write_sample_index`) with each sample's
+        ``completion``, ``truncated``, ground truth ``answer`` (null without one) and, when they could be computed,
+        ``scores`` (reward name -> value, null where it does not apply); ``file`` and ``seed`` are null."""
         directory.mkdir(parents=True, exist_ok=True)
         scores, note = {}, ""
         if len(batch) and self.cfg.rewards:
@@ -588,7 +591,13 @@ class VLMPolicy(Policy):
                 lines.append(f"**Rewards**: {cells or 'none apply'}\n")
         path = directory / f"{tag}.md"
         path.write_text("\n".join(lines))
-        return [path]
+        if not per_sample:
+            return [path]
+        columns = {"completion": batch.completions, "truncated": [bool(m.get("truncated")) for m in batch.meta],
+                   "answer": [m.get("answer") for m in batch.meta]}
+        if scores:
+            columns["scores"] = [{k: float(v[i]) for k, v in scores.items()} for i in range(len(batch))]
+        return [path, write_sample_index(directory / tag, batch.prompts, batch.group, **columns)]
 
     # ------------------------------------------------------------------------------------------------ weights
     def setup(self, accelerator: Any) -> None:

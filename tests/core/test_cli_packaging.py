@@ -145,6 +145,13 @@ def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, capsys):
         assert main(["sample", str(preset), "resume=latest", "--prompt", prompt]) == 0
         assert (samples / name).read_text().startswith(prompt)
     assert (samples / "sample-step-12.txt").read_text().startswith("prompt 3")
+    # each call's index: prompt and completion per sample (a text pipeline has no per-sample files)
+    (record,) = json.loads((samples / "sample-step-12" / "index.json").read_text())["samples"]
+    prompt, completion = (samples / "sample-step-12.txt").read_text().rstrip("\n").split("\t")
+    assert (record["prompt"], record["completion"], record["file"]) == (prompt, completion, None)
+    (samples / "sample-step-12-3").mkdir()  # the folder of an interrupted call is not written into
+    assert main(["sample", str(preset), "resume=latest", "--prompt", "prompt 7"]) == 0
+    assert (samples / "sample-step-12-4.txt").is_file() and not any((samples / "sample-step-12-3").iterdir())
     capsys.readouterr()
     assert main(["eval", str(preset), f"output_dir={tmp_path / 'empty'}", "resume=latest"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
