@@ -9,6 +9,8 @@ the tiny models (``tiny:qwen2_vl``, ``tiny:qwen2_5_vl``, ``tiny:qwen3_vl``) are 
 from __future__ import annotations
 
 import contextlib
+import copy
+import json
 import re
 import warnings
 from collections.abc import Iterator
@@ -187,6 +189,86 @@ def check_lora_targets(model: nn.Module, prefix: str, targets: list[str]) -> Non
     what = f"no module of the language model is named {', '.join(map(repr, missing))}" if missing else "it is empty"
     raise ConfigError(f"bad value for 'model.lora_targets': {what}; the language model's linear layers are "
                       f"{', '.join(linear)}")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index lists."""
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    index = folder / SAFE_WEIGHTS_INDEX_NAME
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (folder / SAFE_WEIGHTS_NAME).is_file():
+        return [folder / SAFE_WEIGHTS_NAME]
+    raise FileNotFoundError(f"no {SAFE_WEIGHTS_NAME} (or its index) in {folder}")
+
+
+def weight_plan(folder: Path, model: nn.Module, targets: dict[str, torch.Tensor]) -> list[tuple[Path, str, str, Any]]:
+    """(file, checkpoint name, ``targets`` name, None or (the converter that matched it, its source pattern)) for
+    every weight of the ``save_pretrained`` ``folder`` of ``model``, read from the files' headers only. A checkpoint
+    name becomes the model's as ``from_pretrained`` renames it (the renamings, then at most one converter, of
+    transformers' conversion mapping for ``model``; a name the model has as it is stays). Missing, unexpected or
+    differently shaped weights (a converted weight is checked once converted) are one ValueError naming the folder;
+    a weight tied to another counts as loaded with it."""
+    from safetensors import safe_open
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    by_pattern = {p: t for t in converters for p in t.source_patterns}
+    plan, unexpected, shaped, found = [], [], [], set()
+    for file in weight_files(folder):
+        with safe_open(file, "pt") as f:
+            keys = f.keys()  # a safe_open handle is no mapping
+            for key in keys:
+                name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, targets)
+                if name not in targets and key in targets:
+                    name, pattern = key, None
+                if name not in targets:
+                    unexpected.append(key)
+                    continue
+                found.add(id(targets[name]))
+                shape = tuple(f.get_slice(key).get_shape())
+                if pattern is None and shape != tuple(targets[name].shape):
+                    shaped.append(f"{name}: {shape} there, {tuple(targets[name].shape)} here")
+                else:
+                    plan.append((file, key, name, None if pattern is None else (by_pattern[pattern], pattern)))
+    missing = [name for name, t in targets.items() if id(t) not in found]
+    wrong = [f"{what} {len(keys)} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+             for what, keys in (("missing", missing), ("unexpected", unexpected), ("shaped differently", shaped))
+             if keys]
+    if wrong:
+        raise ValueError(f"weights in {folder} do not fit this {type(model).__name__}: {'; '.join(wrong)}")
+    return plan
+
+
+def load_full(folder: Path, model: nn.Module) -> None:
+    """Copy the weights of a ``save_pretrained`` folder of ``model`` (a transformers model) into ``model`` in place,
+    one tensor at a time: the process grows by about the largest tensor, not by a second model. Each tensor is read
+    through its own ``safe_open``, since the pages of a memory-mapped file stay resident while it is open.
+
+    Names are mapped as ``from_pretrained`` maps them (:func:`weight_plan`): Qwen2-VL and Qwen2.5-VL checkpoints
+    name the language model ``model.*`` and the tower ``visual.*``, which transformers 5 calls
+    ``model.language_model.*`` and ``model.visual.*``; a one-tensor conversion (Qwen3-VL-MoE's shape-checked
+    transpose of its experts) is applied as transformers applies it. Weights that do not fit are one ValueError
+    naming the folder, raised before any weight is copied (for a converted weight, once it is converted)."""
+    from safetensors import safe_open
+
+    targets = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for file, key, name, conversion in weight_plan(folder, model, targets):
+            with safe_open(file, "pt") as f:
+                tensor = f.get_tensor(key)
+            if conversion is not None:
+                converter, pattern = copy.deepcopy(conversion[0]), conversion[1]
+                converter.add_tensor(name, key, pattern, tensor)
+                tensor = converter.convert(name, model=model, config=model.config)[name]
+            if tensor.shape != targets[name].shape:
+                raise ValueError(f"weights in {folder} do not fit this {type(model).__name__}: {key} converts to "
+                                 f"{tuple(tensor.shape)}, {tuple(targets[name].shape)} here")
+            targets[name].copy_(tensor)
 
 
 @MODEL_ADAPTERS.register("qwen2_vl")
@@ -381,7 +463,8 @@ class VLMModel:
         self.processor.save_pretrained(directory)
 
     def load(self, directory: str | Path) -> None:
-        """Load weights written by :meth:`save` into ``model`` in place (parameters keep their identity)."""
+        """Load weights written by :meth:`save` into ``model`` in place (parameters keep their identity); a full
+        model tensor by tensor (:func:`load_full`)."""
         directory = Path(directory)
         if self.is_lora:
             from peft import set_peft_model_state_dict
@@ -394,8 +477,4 @@ class VLMModel:
             if result.unexpected_keys:
                 raise ValueError(f"adapter at {directory} does not fit this model: {result.unexpected_keys[:3]}")
             return
-        from transformers import AutoModelForImageTextToText
-
-        with self.quiet():
-            loaded = AutoModelForImageTextToText.from_pretrained(directory, dtype=DTYPES[self.cfg.dtype])
-        self.model.load_state_dict(loaded.state_dict())
+        load_full(directory, self.model)
