@@ -140,11 +140,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tag = output_tag(out / "samples", "eval", found)
     text = json.dumps(result, indent=2, allow_nan=False)
     (out / "eval.json").write_text(text)  # the latest evaluation; each one is kept as samples/<tag>.json too
-    policy.save_samples(batch, out / "samples", tag)
+    policy.save_samples(batch, out / "samples", tag, per_sample=True, scores=logged)
     (out / "samples" / f"{tag}.json").write_text(text)
     for name, value in means.items():
         print(f"{name:>32s}  {value:.4f}")
-    print(f"wrote {out / 'eval.json'} and {out / 'samples' / tag}.json")
+    print(f"wrote {out / 'eval.json'}, {out / 'samples' / tag}.json and each sample in {out / 'samples' / tag}/")
     return 0
 
 

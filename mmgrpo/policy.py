@@ -204,18 +204,24 @@ class Policy(ABC):
     def generate(self, items: list[dict]) -> Any:
         """One sample per item (with the eval sampler settings), as a reward batch, for eval and ``sample``."""
 
-    def save_samples(self, batch: Any, directory: Path, tag: str, per_sample: bool = False) -> list[Path]:
+    def save_samples(self, batch: Any, directory: Path, tag: str, per_sample: bool = False,
+                     scores: dict[str, torch.Tensor] | None = None) -> list[Path]:
         """Write a batch of samples for people to look at (image grids, videos, text). Returns the files.
 
-        ``per_sample`` (``mmgrpo sample``): also a ``tag/`` folder with each sample's media as its own file, where
-        the pipeline has media, and ``tag/index.json`` (:func:`write_sample_index`)."""
+        ``per_sample`` (``mmgrpo sample`` and ``eval``): also a ``tag/`` folder with each sample's media as its own
+        file, where the pipeline has media, and ``tag/index.json`` (:func:`write_sample_index`). ``scores``: the
+        rewards the caller logged for ``batch`` (name -> (B,) tensor, NaN where a reward does not apply), in the
+        index as each sample's ``scores``; none given, a pipeline may score the batch itself (the VLM's page)."""
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{tag}.txt"
         completions = batch.completions or [""] * len(batch)
         path.write_text("\n".join(f"{p}\t{c}" for p, c in zip(batch.prompts, completions)) + "\n")
         if not per_sample:
             return [path]
-        return [path, write_sample_index(directory / tag, batch.prompts, batch.group, completion=completions)]
+        columns: dict[str, list] = {"completion": completions}
+        if scores is not None:
+            columns["scores"] = score_records(scores, len(batch))
+        return [path, write_sample_index(directory / tag, batch.prompts, batch.group, **columns)]
 
 
 SAMPLE_INDEX = "index.json"
@@ -240,6 +246,12 @@ def sample_stems(group: Any) -> list[str]:
     positions = sample_positions(group)
     widths = [max(minimum, len(str(max(pos[i] for pos in positions)))) for i, minimum in ((0, 3), (1, 2))]
     return [f"p{p:0{widths[0]}d}-s{s:0{widths[1]}d}" for p, s in positions]
+
+
+def score_records(scores: dict[str, torch.Tensor], n: int) -> list[dict[str, float]]:
+    """Per sample of an n-sample batch, reward name -> its score (a float, NaN where it does not apply), from
+    ``scores`` (name -> (n,) tensor): the index's ``scores`` column."""
+    return [{name: float(values[i]) for name, values in scores.items()} for i in range(n)]
 
 
 def write_sample_index(folder: Path, prompts: list[str], group: Any, files: list[str] | None = None,

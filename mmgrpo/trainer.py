@@ -645,7 +645,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Score one sample per held-out item (EMA weights when enabled); save them to samples/step-N.
+        """Score one sample per held-out item (EMA weights when enabled); save them to samples/step-N, with the
+        scores just logged (the main process's share).
 
         Held-out items are split over processes and the scores gathered, so every process must call this. Each
         score's mean is over the samples of the processes whose rewards reported it (NaN: does not apply)."""
@@ -660,7 +661,7 @@ class Trainer:
                 _, logged, _ = self.rewards(batch, only=self.rewards.evaluation_names)
         self._stop_together(held)
         if acc.is_main_process:
-            self.policy.save_samples(batch, self.run_dir / "samples", f"step-{self.step}")
+            self.policy.save_samples(batch, self.run_dir / "samples", f"step-{self.step}", scores=logged)
         # one gather of every score: the processes' rewards may report different sub-scores
         parts = gather_object([{name: scores.tolist() for name, scores in logged.items()}])
         means = {}

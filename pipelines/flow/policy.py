@@ -42,6 +42,7 @@ from mmgrpo.policy import (
     merged_counters,
     rows_after_first_update,
     sample_stems,
+    score_records,
     write_sample_index,
 )
 from mmgrpo.rewards import RewardBatch
@@ -134,17 +135,22 @@ class FlowPolicy(Policy):
         if state.is_file():
             self.rollouts = int(json.loads(state.read_text())["rollouts"])
 
-    def save_samples(self, batch: RewardBatch, directory: Path, tag: str, per_sample: bool = False) -> list[Path]:
+    def save_samples(self, batch: RewardBatch, directory: Path, tag: str, per_sample: bool = False,
+                     scores: dict[str, Tensor] | None = None) -> list[Path]:
         """``tag.png``, a grid captioned with the prompts; for videos also ``tag.mp4`` (or ``tag.gif``).
         ``per_sample``: also ``tag/p000-s00.png`` (or the clip, :func:`media.save_each`) per sample and
-        ``tag/index.json``, whose ``seed`` is the sample's ``meta["seed"]``: the noise seed of :meth:`generate`."""
+        ``tag/index.json``, whose ``seed`` is the sample's ``meta["seed"]``: the noise seed of :meth:`generate`,
+        and, given ``scores`` (reward name -> (B,) tensor, as the caller logged them), each sample's ``scores``
+        (null where a reward does not apply)."""
         s = self.cfg.sampling
         files = media.save_media(directory, tag, batch.prompts, batch.images, batch.videos, s.fps)
         if per_sample:
             folder = directory / tag
             each = media.save_each(folder, sample_stems(batch.group), batch.images, batch.videos, s.fps)
             seeds = [m.get("seed") for m in batch.meta]
-            files.append(write_sample_index(folder, batch.prompts, batch.group, [f.name for f in each], seeds))
+            columns = {} if scores is None else {"scores": score_records(scores, len(batch))}
+            files.append(write_sample_index(folder, batch.prompts, batch.group, [f.name for f in each], seeds,
+                                            **columns))
         return files
 
     # ------------------------------------------------------------------------------------- building blocks

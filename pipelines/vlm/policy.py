@@ -51,7 +51,15 @@ from mmgrpo.pipelines.vlm.vllm_backend import (
 )
 from mmgrpo.pipelines.vlm.vllm_backend import shuffled_accuracy as vllm_shuffled_accuracy
 from mmgrpo.pipelines.vlm.whole_weights import whole_weights
-from mmgrpo.policy import LogProbs, Policy, Rollout, any_process, merged_counters, write_sample_index
+from mmgrpo.policy import (
+    LogProbs,
+    Policy,
+    Rollout,
+    any_process,
+    merged_counters,
+    score_records,
+    write_sample_index,
+)
 from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards.consistency_bonus import LIKELIHOOD_KEY
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
@@ -565,19 +573,17 @@ class VLMPolicy(Policy):
                         meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
         return RewardBatch(prompts=prompts, group=torch.arange(len(prompts)), completions=texts, meta=meta)
 
-    def save_samples(self, batch: RewardBatch, directory: Path, tag: str, per_sample: bool = False) -> list[Path]:
-        """``directory/tag.md``: per sample the prompt, ground truth, completion and every configured reward.
-        ``per_sample``: also ``tag/index.json`` (:func:`~mmgrpo.policy.write_sample_index`) with each sample's
-        ``completion``, ``truncated``, ground truth ``answer`` (null without one) and, when they could be computed,
+    def save_samples(self, batch: RewardBatch, directory: Path, tag: str, per_sample: bool = False,
+                     scores: dict[str, torch.Tensor] | None = None) -> list[Path]:
+        """``directory/tag.md``: per sample the prompt, ground truth, completion and its rewards: ``scores`` (name ->
+        (B,) tensor, the caller's, as logged) or, when None (``mmgrpo sample``), every configured evaluation reward
+        scored here. ``per_sample``: also ``tag/index.json`` (:func:`~mmgrpo.policy.write_sample_index`) with each
+        sample's ``completion``, ``truncated``, ground truth ``answer`` (null without one) and, when there are any,
         ``scores`` (reward name -> value, null where it does not apply); ``file`` and ``seed`` are null."""
         directory.mkdir(parents=True, exist_ok=True)
-        scores, note = {}, ""
-        if len(batch) and self.cfg.rewards:
-            try:
-                self._zoo = self._zoo or RewardZoo(self.cfg.rewards)
-                _, scores, _ = self._zoo(batch, only=self._zoo.evaluation_names)
-            except (ValueError, RewardError) as err:  # e.g. free prompts without ground truth
-                note = f"Rewards not computed: {err}\n\n"
+        note = ""
+        if scores is None:
+            scores, note = self._score_for_page(batch)
         lines = [f"# {tag}\n", f"{len(batch)} samples.\n", note]
         for i, (prompt, text, meta) in enumerate(zip(batch.prompts, batch.completions, batch.meta)):
             lines.append(f"## {i}: {meta.get('source', 'prompt')}\n")
@@ -596,8 +602,21 @@ class VLMPolicy(Policy):
         columns = {"completion": batch.completions, "truncated": [bool(m.get("truncated")) for m in batch.meta],
                    "answer": [m.get("answer") for m in batch.meta]}
         if scores:
-            columns["scores"] = [{k: float(v[i]) for k, v in scores.items()} for i in range(len(batch))]
+            columns["scores"] = score_records(scores, len(batch))
         return [path, write_sample_index(directory / tag, batch.prompts, batch.group, **columns)]
+
+    def _score_for_page(self, batch: RewardBatch) -> tuple[dict[str, torch.Tensor], str]:
+        """(every configured evaluation reward's (B,) scores, "") for :meth:`save_samples`; ({}, a note for the
+        page) when there are no samples or rewards, or the rewards cannot score them (free prompts without ground
+        truth)."""
+        if not len(batch) or not self.cfg.rewards:
+            return {}, ""
+        try:
+            self._zoo = self._zoo or RewardZoo(self.cfg.rewards)
+            _, scores, _ = self._zoo(batch, only=self._zoo.evaluation_names)
+        except (ValueError, RewardError) as err:
+            return {}, f"Rewards not computed: {err}\n\n"
+        return scores, ""
 
     # ------------------------------------------------------------------------------------------------ weights
     def setup(self, accelerator: Any) -> None:

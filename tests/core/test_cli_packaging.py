@@ -140,6 +140,11 @@ def test_train_then_eval_and_sample_with_the_checkpoint(tmp_path, capsys):
     assert run["rewards"][key] > base["rewards"][key], (base, run)
     samples = tmp_path / "run" / "samples"
     assert (samples / "eval-step-12.txt").is_file()
+    # eval's index: each sample with the scores eval.json averages
+    records = json.loads((samples / "eval-step-12" / "index.json").read_text())["samples"]
+    assert [r["prompt"] for r in records] == [line.split("\t")[0] for line in
+                                              (samples / "eval-step-12.txt").read_text().splitlines()]
+    assert sum(r["scores"][key] for r in records) / len(records) == pytest.approx(run["rewards"][key])
     # samples are named after the checkpoint, and a second call does not overwrite the first
     for prompt, name in (("prompt 3", "sample-step-12.txt"), ("prompt 5", "sample-step-12-2.txt")):
         assert main(["sample", str(preset), "resume=latest", "--prompt", prompt]) == 0

@@ -1,5 +1,6 @@
-"""What ``mmgrpo sample`` writes: next to the grid (or the VLM's markdown), a folder named after the same tag with
-each sample as its own file and an ``index.json`` that says which prompt, seed and sample each file holds."""
+"""What ``mmgrpo sample`` and ``mmgrpo eval`` write: next to the grid (or the VLM's markdown), a folder named after
+the same tag with each sample as its own file and an ``index.json`` that says which prompt, seed and sample each file
+holds (and, for ``eval``, the scores it logged)."""
 
 import json
 import math
@@ -12,11 +13,31 @@ from random_flow import RANDOM_TINY_SD3
 
 from mmgrpo.cli import main
 from mmgrpo.pipelines.flow import media
+from mmgrpo.registry import import_path
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_FLOW = ["sampling.eval_num_steps=2", "num_threads=1", "logging.progress=false"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+COUNTED = """
+import math
+
+calls = []
+
+
+def fn(batch):
+    # call k scores sample i k + i / 8, but NaN for the third: a second call would show other scores
+    calls.append(len(batch.prompts))
+    return [math.nan if i == 2 else len(calls) + i / 8 for i in range(len(batch.prompts))]
+"""
+
+
+def counted_reward(tmp_path: Path) -> tuple[str, list[int]]:
+    """(the name of a plain-function reward whose scores depend on how often it was called, its list of calls: the
+    batch size of each)."""
+    (tmp_path / "counted.py").write_text(COUNTED)
+    return f"{tmp_path}/counted.py:fn", import_path(f"{tmp_path}/counted.py:calls")
 
 
 def index_of(folder: Path) -> list[dict]:
@@ -84,12 +105,51 @@ def test_video_sample_writes_each_clip(tmp_path, monkeypatch):
         assert frames.shape == (5, 32, 32, 3)
 
 
-def test_vlm_sample_writes_an_index_with_completions_and_rewards(tmp_path):
-    preset = str(ROOT / "configs" / "vlm" / "tiny_image.yaml")
-    args = [preset, f"data.train_file={ROOT}/assets/data/shapes_qa/train.jsonl",
+def test_flow_eval_writes_each_image_with_the_scores_it_logged(tmp_path, monkeypatch):
+    """``mmgrpo eval`` wrote only the grid and eval.json: now each image too, and its scores in the index (NaN as
+    null), the very ones eval.json averages, scored once."""
+    monkeypatch.chdir(ROOT)
+    reward, calls = counted_reward(tmp_path)
+    preset = str(ROOT / "configs" / "flow" / "tiny_flowgrpo.yaml")
+    args = [preset, *RANDOM_TINY_SD3, *FAST_FLOW, "data.num_eval=3", f"output_dir={tmp_path / 'run'}",
+            f"rewards=[{{name: color_fraction, args: {{tolerance: 0.5}}}}, {{name: '{reward}'}}]"]
+    assert main(["eval", *args]) == 0
+    assert calls == [3]
+    samples = tmp_path / "run" / "samples"
+    records = index_of(samples / "eval-base")
+    assert sorted(p.name for p in (samples / "eval-base").glob("*.png")) == [r["file"] for r in records]
+    assert [r["scores"][reward] for r in records] == [1.0, 1.125, None]
+    means = json.loads((tmp_path / "run" / "eval.json").read_text())["rewards"]
+    assert means[reward] == 1.0625
+    assert means["color_fraction"] == pytest.approx(sum(r["scores"]["color_fraction"] for r in records) / 3)
+    with Image.open(samples / "eval-base.png") as grid, Image.open(samples / "eval-base" / records[0]["file"]) as a:
+        assert np.array_equal(np.asarray(a), np.asarray(grid_tile(grid.convert("RGB"), 0, 3, (32, 32))))
+
+
+VLM_ARGS = [str(ROOT / "configs" / "vlm" / "tiny_image.yaml"), f"data.train_file={ROOT}/assets/data/shapes_qa/train.jsonl",
             f"data.eval_file={ROOT}/assets/data/shapes_qa/heldout.jsonl", f"data.root={ROOT}/assets/data/shapes_qa",
-            f"model.path={ROOT}/assets/tiny-qwen2vl-shapes", "generation.max_new_tokens=8", "data.num_eval=2",
-            f"output_dir={tmp_path}"]
+            f"model.path={ROOT}/assets/tiny-qwen2vl-shapes", "generation.max_new_tokens=8"]
+
+
+def test_vlm_eval_scores_once_and_writes_the_logged_scores(tmp_path):
+    """The VLM's samples page scored every reward a second time (for a judge: twice the calls, scores that could
+    differ from eval.json's); now it shows the scores eval.json averages, and the index holds them too."""
+    reward, calls = counted_reward(tmp_path)
+    args = [*VLM_ARGS, "data.num_eval=3", f"output_dir={tmp_path}",
+            f"rewards=[{{name: format}}, {{name: '{reward}'}}]"]
+    assert main(["eval", *args]) == 0
+    assert calls == [3]
+    assert json.loads((tmp_path / "eval.json").read_text())["rewards"][reward] == 1.0625
+    samples = tmp_path / "samples"
+    records = index_of(samples / "eval-base")
+    assert [r["scores"][reward] for r in records] == [1.0, 1.125, None]
+    assert all(r["file"] is None and r["answer"] and set(r["scores"]) == {"format", reward} for r in records)
+    markdown = (samples / "eval-base.md").read_text()
+    assert f"{reward} 1.000" in markdown and f"{reward} 1.125" in markdown and f"{reward} 2." not in markdown
+
+
+def test_vlm_sample_writes_an_index_with_completions_and_rewards(tmp_path):
+    args = [*VLM_ARGS, "data.num_eval=2", f"output_dir={tmp_path}"]
     assert main(["sample", *args, "--num", "2"]) == 0
     samples = tmp_path / "samples"
     records = index_of(samples / "sample-base")

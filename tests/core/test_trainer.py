@@ -31,6 +31,7 @@ from mmgrpo.policy import (
     rows_after_first_update,
     update_sizes,
 )
+from mmgrpo.registry import import_path
 from mmgrpo.tracking import read_metrics
 from mmgrpo.trainer import Trainer, check_batch_layout, configure_deepspeed
 
@@ -420,6 +421,25 @@ def test_in_loop_evaluation_logs_heldout_scores_and_samples(tmp_path):
     assert [line.split("\t")[0] for line in lines] == [item["prompt"] for item in trainer.eval_items]
     assert all(len(line.split("\t")[1].split()) == cfg.toy.seq_len for line in lines)
     assert all(0.0 <= r["eval/toy_bandit:match_reward/mean"] <= 1.0 for r in evals)
+    assert not (tmp_path / "samples" / "step-3").exists()  # per-sample files are mmgrpo eval's and sample's
+
+
+def test_in_loop_evaluation_saves_the_scores_it_logged(tmp_path):
+    """The VLM's samples page scored every reward a second time (for a judge: twice the calls, and scores that could
+    differ from the logged ones); it shows the logged scores now, from one call."""
+    (tmp_path / "counted.py").write_text("calls = []\n\n\ndef fn(batch):\n    calls.append(len(batch.prompts))\n"
+                                         "    return [len(calls) + i / 8 for i in range(len(batch.prompts))]\n")
+    reward, data = f"{tmp_path}/counted.py:fn", ROOT / "assets" / "data" / "shapes_qa"
+    cfg = load_config(ROOT / "configs" / "vlm" / "tiny_image.yaml", [
+        *QUIET, f"output_dir={tmp_path / 'run'}", f"model.path={ROOT}/assets/tiny-qwen2vl-shapes",
+        f"data.train_file={data}/train.jsonl", f"data.eval_file={data}/heldout.jsonl", f"data.root={data}",
+        "data.num_eval=2", "generation.max_new_tokens=4", f"rewards=[{{name: format}}, {{name: '{reward}'}}]"])
+    means = Trainer(cfg).evaluate()
+    assert import_path(f"{tmp_path}/counted.py:calls") == [2]
+    assert means[f"eval/{reward}/mean"] == 1.0625
+    page = (tmp_path / "run" / "samples" / "step-0.md").read_text()
+    assert f"{reward} 1.000" in page and f"{reward} 1.125" in page and f"{reward} 2." not in page
+    assert not (tmp_path / "run" / "samples" / "step-0").exists()
 
 
 @pytest.mark.parametrize("updates", [1, 2])
