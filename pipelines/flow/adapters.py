@@ -28,6 +28,7 @@ import difflib
 import functools
 import importlib.util
 import json
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -322,6 +323,7 @@ class FlowAdapter:
         from diffusers.training_utils import cast_training_params
         from peft import LoraConfig
 
+        _check_lora_targets(transformer, list(cfg.lora_targets))
         config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
                             target_modules=list(cfg.lora_targets), lora_dropout=0.0)
         try:
@@ -634,6 +636,22 @@ class FlowAdapter:
             raise ValueError(f"LoRA weights in {file} do not match this adapter (rank/targets?): "
                              f"missing {missing[:3]}, unexpected {extra[:3]}")
         set_peft_model_state_dict(part, state)
+
+
+def _check_lora_targets(transformer: nn.Module, targets: list[str]) -> None:
+    """ConfigError naming ``model.lora_targets`` when it is empty or one of its entries matches no module name of
+    ``transformer`` as PEFT matches a list (the whole name, or its end after a dot): PEFT stops only when none
+    matches, so an entry of another model family (FLUX's ``proj_mlp`` on SD3, ``ff.net.0.proj`` on Wan, whose FFN
+    is ``ffn``) beside valid ones would silently train fewer layers. The message lists the transformer's linear
+    layers by their name inside a block."""
+    names = [name for name, _ in transformer.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if targets and not missing:
+        return
+    linear = sorted({re.sub(r"^.*?\.\d+\.", "", n) for n, m in transformer.named_modules() if isinstance(m, nn.Linear)})
+    what = f"no module is named {', '.join(map(repr, missing))}" if missing else "it is empty"
+    raise ConfigError(f"bad value for 'model.lora_targets': {what} in {type(transformer).__name__}; its linear "
+                      f"layers are {', '.join(linear)}")
 
 
 def _check_lora_config(file: Path, prefix: str, config: Any) -> None:

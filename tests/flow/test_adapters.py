@@ -153,6 +153,50 @@ def test_noise_sigmas_velocity_and_decode_match_the_stock_pipeline(kind, adapter
     torch.testing.assert_close(images, pixels, rtol=1e-4, atol=1e-4)
 
 
+def euler_rollout(ad, prompts, height, width, steps, g, seed, negative=""):
+    """Final latents of the zero-noise rollout (ODE Euler, x + (sigma_next - sigma) * v) from the adapter's noise,
+    schedule and velocity: what diffusers' FlowMatchEulerDiscreteScheduler computes."""
+    sigmas = ad.sigmas(steps, height, width)
+    x = ad.initial_latents(len(prompts), height, width, 1, torch.Generator().manual_seed(seed))
+    e = ad.encode(prompts, negative, g)
+    with torch.no_grad():
+        for i in range(steps):
+            x = x + (sigmas[i + 1] - sigmas[i]) * ad.velocity(x, sigmas[i].expand(len(prompts)), e, g)
+    return x
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_a_zero_noise_rollout_of_a_non_square_batch_is_the_stock_pipeline_output(kind, adapter_of):
+    """Every step, not only the first: the schedule (FLUX's mu from the packed sequence length), the timesteps and
+    FLUX's image ids and packing of a non-square image, for two prompts drawn from one generator."""
+    ad, g, prompts = adapter_of(kind), GUIDANCE[kind], ["a red cube", "a blue sphere"]
+    ours = euler_rollout(ad, prompts, 64, 128, 4, g, seed=11)
+    stock = ad.pipe(prompt=prompts, num_inference_steps=4, height=64, width=128, guidance_scale=g,
+                    max_sequence_length=ad.max_sequence_length, generator=torch.Generator().manual_seed(11),
+                    output_type="latent", return_dict=False)[0]
+    assert ours.shape == stock.shape == ((2, 16, 8, 16) if kind == "sd3" else (2, 32, 64))
+    torch.testing.assert_close(ours, stock.float(), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(ours[0], ours[1], atol=1e-2)
+
+
+def test_flux_without_guidance_embedding_is_the_stock_pipeline_with_true_cfg(tiny_cache, tmp_path):
+    """A FLUX model without a guidance embedding (FLUX.1-schnell's layout) takes guidance_scale > 1 as true CFG:
+    FluxPipeline(true_cfg_scale=g, negative_prompt=...)."""
+    pipe = diffusers.FluxPipeline.from_pretrained(tiny_path("flux"), dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformer = diffusers.FluxTransformer2DModel(**{**pipe.transformer.config, "guidance_embeds": False})
+    pipe.register_modules(transformer=transformer)
+    pipe.save_pretrained(tmp_path)
+    ad = load_adapter(tiny_cfg("flux", path=str(tmp_path)))
+    assert not ad.guidance_embeds and ad.uses_cfg(3.5) and not ad.uses_cfg(1.0)
+    ours = euler_rollout(ad, ["a red cube"], 64, 64, 3, 3.5, seed=5, negative="blurry")
+    stock = ad.pipe(prompt="a red cube", negative_prompt="blurry", true_cfg_scale=3.5, num_inference_steps=3,
+                    height=64, width=64, max_sequence_length=ad.max_sequence_length,
+                    generator=torch.Generator().manual_seed(5), output_type="latent", return_dict=False)[0]
+    torch.testing.assert_close(ours, stock, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["sd3", "wan"])
 def test_cfg_is_the_manual_combination_and_the_unconditional_branch_carries_no_grad(kind, adapter_of):
     ad, g = adapter_of(kind), GUIDANCE[kind]
@@ -305,6 +349,34 @@ def test_saved_lora_loads_in_stock_diffusers_and_back(kind, adapter_of, tmp_path
         assert all(torch.equal(p, q) for p, q in zip(trainable(ad), trained))
 
 
+WIDE_TARGETS = {
+    "sd3": ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+            "attn.add_v_proj", "attn.to_add_out", "ff.net.0.proj", "ff.net.2"],
+    "flux": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "ff_context.net.2", "proj_mlp",
+             "proj_out"],
+    "wan": ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"],
+}
+"""Per-family widened LoRA targets, as docs/flow_models.md names them (FLUX's proj_out is the single blocks' and
+the final projection)."""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_widened_lora_targets_load_in_stock_diffusers(kind, tiny_cache, tmp_path):
+    ad = load_adapter(tiny_cfg(kind, lora_targets=WIDE_TARGETS[kind]))
+    wrapped = {n.split(".lora_A")[0] for n, _ in ad.transformer.named_parameters() if ".lora_A." in n}
+    assert all(any(n.endswith(f".{t}") for n in wrapped) for t in WIDE_TARGETS[kind])
+    x, sigma = inputs(ad, 1)
+    e, t = ad.encode(["wide lora"], "", 1.0), ad.timestep(sigma)
+    with perturbed(ad, seed=3), torch.no_grad():
+        ad.save_trainable(tmp_path)
+        want = ad._forward(ad.transformer, x, t, e.cond, GUIDANCE[kind])
+    pipe = getattr(diffusers, ad.pipeline_class).from_pretrained(tiny_path(kind), dtype=torch.float32)
+    pipe.load_lora_weights(tmp_path)
+    with torch.no_grad():
+        got = ad._forward(pipe.transformer, x, t, e.cond, GUIDANCE[kind])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(("key", "config_key", "saved", "current"), [("lora_alpha", "lora_alpha", 16, 8),
                                                                      ("r", "lora_rank", 8, 4)])
 def test_a_lora_file_of_another_alpha_or_rank_is_refused_by_name(key, config_key, saved, current, adapter_of,
@@ -454,6 +526,20 @@ def test_other_bad_inputs_name_their_keys(tmp_path, adapter_of, tiny_cache):
     if "qwen2_vl" in MODEL_ADAPTERS:
         with pytest.raises(ConfigError, match=r"'model.type'.*not a flow model adapter"):
             load_adapter(tiny_cfg("qwen2_vl"))
+
+
+@pytest.mark.parametrize(("kind", "targets", "missing", "hint"), [
+    ("wan", ["to_q", "to_v", "ff.net.0.proj"], "ff.net.0.proj", "ffn.net.0.proj"),  # Wan's FFN is ffn.*
+    ("sd3", ["to_q", "proj_mlp"], "proj_mlp", "attn.to_q"),  # FLUX's single-block MLP: SD3 has none
+    ("flux", [], "empty", "attn.add_q_proj"),
+])
+def test_a_lora_target_that_matches_no_module_is_a_config_error(kind, targets, missing, hint, tiny_cache):
+    """PEFT stops only when no target matches: one that matches nothing beside valid ones trained fewer layers
+    than asked, silently."""
+    with pytest.raises(ConfigError) as err:
+        load_adapter(tiny_cfg(kind, lora_targets=targets))
+    message = str(err.value)
+    assert "'model.lora_targets'" in message and missing in message and hint in message and "\n" not in message
 
 
 def test_a_full_fine_tune_is_loaded_shard_by_shard_without_a_second_model(tmp_path):
