@@ -203,18 +203,19 @@ def weight_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"no {SAFE_WEIGHTS_NAME} (or its index) in {folder}")
 
 
-def weight_plan(folder: Path, model: nn.Module, targets: dict[str, torch.Tensor]) -> list[tuple[Path, str, str, Any]]:
+def weight_plan(folder: Path, model: nn.Module, targets: dict[str, torch.Tensor],
+                mapping: list | None = None) -> list[tuple[Path, str, str, Any]]:
     """(file, checkpoint name, ``targets`` name, None or (the converter that matched it, its source pattern)) for
     every weight of the ``save_pretrained`` ``folder`` of ``model``, read from the files' headers only. A checkpoint
     name becomes the model's as ``from_pretrained`` renames it (the renamings, then at most one converter, of
-    transformers' conversion mapping for ``model``; a name the model has as it is stays). Missing, unexpected or
-    differently shaped weights (a converted weight is checked once converted) are one ValueError naming the folder;
-    a weight tied to another counts as loaded with it."""
+    transformers' conversion mapping: ``mapping``, by default the one transformers finds for ``model``; a name the
+    model has as it is stays). Missing, unexpected or differently shaped weights (a converted weight is checked once
+    converted) are one ValueError naming the folder; a weight tied to another counts as loaded with it."""
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-    mapping = get_model_conversion_mapping(model)
+    mapping = get_model_conversion_mapping(model) if mapping is None else mapping
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     by_pattern = {p: t for t in converters for p in t.source_patterns}
@@ -244,21 +245,37 @@ def weight_plan(folder: Path, model: nn.Module, targets: dict[str, torch.Tensor]
     return plan
 
 
-def load_full(folder: Path, model: nn.Module) -> None:
+def placed_like(tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The whole weight ``tensor`` laid out as ``target`` holds it: for a DTensor (a parameter FSDP2 shards), this
+    process's part on the target's mesh and placements, cut from ``tensor`` here without any communication (every
+    process reads the whole tensor itself); any other target takes ``tensor`` as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor):
+        return tensor
+    return distribute_tensor(tensor, target.device_mesh, target.placements, src_data_rank=None)
+
+
+def load_full(folder: Path, model: nn.Module, mapping: list | None = None) -> None:
     """Copy the weights of a ``save_pretrained`` folder of ``model`` (a transformers model) into ``model`` in place,
     one tensor at a time: the process grows by about the largest tensor, not by a second model. Each tensor is read
-    through its own ``safe_open``, since the pages of a memory-mapped file stay resident while it is open.
+    through its own ``safe_open``, since the pages of a memory-mapped file stay resident while it is open. Into
+    parameters FSDP2 has sharded (DTensors), each process copies its own part of each tensor (:func:`placed_like`).
 
     Names are mapped as ``from_pretrained`` maps them (:func:`weight_plan`): Qwen2-VL and Qwen2.5-VL checkpoints
     name the language model ``model.*`` and the tower ``visual.*``, which transformers 5 calls
     ``model.language_model.*`` and ``model.visual.*``; a one-tensor conversion (Qwen3-VL-MoE's shape-checked
     transpose of its experts) is applied as transformers applies it. Weights that do not fit are one ValueError
-    naming the folder, raised before any weight is copied (for a converted weight, once it is converted)."""
+    naming the folder, raised before any weight is copied (for a converted weight, once it is converted).
+    ``mapping`` is transformers' conversion mapping for ``model`` (``get_model_conversion_mapping``), taken by
+    default from ``model`` itself; pass the one taken before sharding for a model FSDP2 has sharded, since
+    ``fully_shard`` gives the model a class of its own, which transformers takes for custom code and maps nothing
+    for."""
     from safetensors import safe_open
 
     targets = model.state_dict(keep_vars=True)
     with torch.no_grad():
-        for file, key, name, conversion in weight_plan(folder, model, targets):
+        for file, key, name, conversion in weight_plan(folder, model, targets, mapping):
             with safe_open(file, "pt") as f:
                 tensor = f.get_tensor(key)
             if conversion is not None:
@@ -268,7 +285,7 @@ def load_full(folder: Path, model: nn.Module) -> None:
             if tensor.shape != targets[name].shape:
                 raise ValueError(f"weights in {folder} do not fit this {type(model).__name__}: {key} converts to "
                                  f"{tuple(tensor.shape)}, {tuple(targets[name].shape)} here")
-            targets[name].copy_(tensor)
+            targets[name].copy_(placed_like(tensor, targets[name]))
 
 
 @MODEL_ADAPTERS.register("qwen2_vl")
@@ -309,6 +326,11 @@ class VLMModel:
         except (OSError, ValueError) as err:  # missing files / offline hub; a config that is no image-text model
             raise load_error(cfg.path, self.path, local, err) from err
         self.tokenizer = self.processor.tokenizer
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        self.weight_mapping: list = get_model_conversion_mapping(model)
+        """transformers' conversion mapping of the model as built, which :meth:`load` maps a checkpoint's names
+        with; taken before any launcher shards the model (transformers finds none for FSDP2's sharded class)."""
         model.to(self.device)
         vision = module_names(model, VISION_MODULES)
         if cfg.freeze_vision:
@@ -477,4 +499,4 @@ class VLMModel:
             if result.unexpected_keys:
                 raise ValueError(f"adapter at {directory} does not fit this model: {result.unexpected_keys[:3]}")
             return
-        load_full(directory, self.model)
+        load_full(directory, self.model, self.weight_mapping)
