@@ -253,8 +253,10 @@ class FlowAdapter:
             if isinstance(component, nn.Module):
                 component.requires_grad_(False).eval()
         tokenizer = getattr(self.pipe, self.t5_tokenizer, None)
-        limit = getattr(tokenizer, "model_max_length", None) or self.default_max_sequence_length
-        self.max_sequence_length = min(self.default_max_sequence_length, limit)
+        self.sequence_limit = getattr(tokenizer, "model_max_length", None) or self.default_max_sequence_length
+        """The most T5/UMT5 tokens per prompt: the tokenizer's ``model_max_length`` (512 for the published
+        checkpoints, the most their stock pipelines take)."""
+        self.max_sequence_length = min(self.default_max_sequence_length, self.sequence_limit)
         self.parts = self._transformer_parts()
         self.trained_parts = self._trained_names(self.parts)
         for name in self.trained_parts:

@@ -35,8 +35,9 @@ class FlowModelConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
     """Module-name suffixes that get LoRA adapters."""
     max_sequence_length: int | None = ranged(None, low=1)
-    """T5/UMT5 tokens per prompt; None keeps the pipeline's default (SD3 256, FLUX and Wan 512). Shorter is
-    cheaper: the tiny presets use 10, enough for every ShapesT2I prompt."""
+    """T5/UMT5 tokens per prompt; None keeps the pipeline's default (SD3 256, FLUX and Wan 512), and at most the
+    tokenizer's ``model_max_length`` (512 for the published checkpoints). Shorter is cheaper: the tiny presets use
+    10, enough for every ShapesT2I prompt."""
     train_experts: str = "both"
     """Wan2.2 A14B (two experts): which train, both, high (``transformer``, the high-noise expert) or low
     (``transformer_2``); the other keeps its base weights. Ignored by single-transformer models."""

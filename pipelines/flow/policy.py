@@ -33,6 +33,7 @@ import torch
 from accelerate import PartialState
 from torch import Tensor
 
+from mmgrpo.config import ConfigError
 from mmgrpo.grpo import clip_advantages, gaussian_mean_kl
 from mmgrpo.policy import (
     LogProbs,
@@ -97,6 +98,9 @@ class FlowPolicy(Policy):
         keep_reference = cfg.grpo.kl_beta > 0 and cfg.model.lora_rank == 0
         adapter = load_adapter(cfg.model, self.device, keep_reference=keep_reference)
         if cfg.model.max_sequence_length is not None:
+            if cfg.model.max_sequence_length > adapter.sequence_limit:
+                raise ConfigError(f"bad value for 'model.max_sequence_length': {cfg.model.max_sequence_length} (this "
+                                  f"model's text encoder takes at most {adapter.sequence_limit} tokens)")
             adapter.max_sequence_length = cfg.model.max_sequence_length  # read by its encode_prompt call
         return adapter
 

@@ -408,6 +408,13 @@ def test_wan_rollout_gives_videos_to_rewards_and_writes_an_mp4(tmp_path):
     assert [f.suffix for f in files] == [".png", ".mp4"] and all(f.stat().st_size > 0 for f in files)
 
 
+def test_a_sequence_length_beyond_the_text_encoder_is_a_config_error(tmp_path):
+    """The stock SD3/FLUX pipelines refuse more than 512 T5 tokens; the tiny tokenizer takes 32."""
+    with pytest.raises(ConfigError, match=r"^bad value for 'model.max_sequence_length': 33 \(this model's text "
+                                          r"encoder takes at most 32 tokens\)$"):
+        FlowPolicy(config("tiny_flowgrpo", tmp_path, "model.max_sequence_length=33"))
+
+
 @pytest.mark.parametrize(("content", "message"), [
     (b"", "holds no prompts"),
     (b"\n  \n", "holds no prompts"),
