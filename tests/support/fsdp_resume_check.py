@@ -2,9 +2,9 @@
 fine-tune of the shipped tiny Qwen2-VL whose weights accelerate's FSDP2 shards. accelerate turns FSDP on for GPU
 launches only (``Accelerator(cpu=True)`` keeps a MULTI_CPU run), so this sets its distributed type to FSDP with an
 FSDP2 plugin as configs/accelerate/fsdp.yaml configures it (TRANSFORMER_BASED_WRAP, resharding after forward,
-FULL_STATE_DICT); from there everything is accelerate's own: ``prepare`` shards the model in place
+and fsdp.yaml's state dict type); from there everything is accelerate's own: ``prepare`` shards the model in place
 (``fsdp2_prepare_model``), checkpoints gather the weights (``get_state_dict``) and ``save_state`` / ``load_state``
-write and read the optimiser, and the trainer loads the weights after ``prepare``, into the sharded parameters.
+write and read the optimiser and accelerate's own copy of the model, and the trainer loads the weights after ``prepare``, into the sharded parameters.
 
 Usage: fsdp_resume_check.py OUT.json ROOT
 
@@ -12,7 +12,8 @@ A straight run (ROOT/straight) trains 2 steps, saving each; a second trainer (RO
 and trains step 2. OUT.json (main process): ``sharded`` (every parameter of both runs is a DTensor after
 ``prepare``), ``loaded_max_diff`` (max |resumed - saved| over every weight right after loading step 1, the saved
 ones loaded unsharded from its policy folder), ``rows`` (the straight and the resumed run's step-2 metrics) and
-``step2_max_diff`` (max |straight - resumed| over the weights both save at step 2).
+``step2_max_diff`` (max |straight - resumed| over the weights both save at step 2) and ``checkpoint`` (the names in
+the straight run's step-2 checkpoint).
 """
 
 import json
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
@@ -30,6 +32,7 @@ from mmgrpo.pipelines.vlm.model import VLMModel
 from mmgrpo.trainer import Trainer, make_accelerator
 
 out_path, root = sys.argv[1], Path(sys.argv[2])
+STATE_DICT_TYPE = OmegaConf.load("configs/accelerate/fsdp.yaml").fsdp_config.fsdp_state_dict_type
 
 
 def config(run: str, *overrides: str):
@@ -43,7 +46,7 @@ def fsdp2_trainer(cfg) -> Trainer:
     """A Trainer on an accelerator whose distributed type is FSDP (FSDP2), as a GPU launch of fsdp.yaml makes it."""
     acc = make_accelerator(cfg)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            reshard_after_forward=True, state_dict_type="FULL_STATE_DICT")
+                                            reshard_after_forward=True, state_dict_type=STATE_DICT_TYPE)
     for shared in (PartialState._shared_state, AcceleratorState._shared_state):
         shared["distributed_type"] = DistributedType.FSDP
     AcceleratorState._shared_state["fsdp_plugin"] = plugin
@@ -73,7 +76,8 @@ if acc.is_main_process:
     step2_max_diff = max((first[k] - second[k]).abs().max().item() for k in first)
     with open(out_path, "w") as f:
         json.dump({"sharded": sharded, "loaded_max_diff": loaded_max_diff, "rows": rows,
-                   "step2_max_diff": step2_max_diff}, f)
+                   "step2_max_diff": step2_max_diff, "checkpoint": sorted(
+                       f.name for f in (root / "straight" / "checkpoints" / "step-2").iterdir())}, f)
 acc.wait_for_everyone()
 # Leave without tearing down: the report is written and closed, and under load a sharded gloo group's threads can
 # abort the interpreter's exit ("terminate called without an active exception") after every check has passed.

@@ -411,6 +411,10 @@ def test_a_resume_loads_a_full_fine_tune_into_fsdp2_sharded_weights(launch_two_p
     assert {k: v for k, v in resumed.items() if not k.startswith("time/")} == {
         k: v for k, v in straight.items() if not k.startswith("time/")}  # loss, grad norm, rewards...
     assert report["step2_max_diff"] == 0
+    # fsdp.yaml's SHARDED_STATE_DICT: accelerate's copies of the model and optimizer are per-process shards, the
+    # weights users load are the gathered policy/ folder
+    assert {"policy", "pytorch_model_fsdp_0", "optimizer_0"} <= set(report["checkpoint"])
+    assert not any(name.endswith(".bin") and "fsdp" in name for name in report["checkpoint"])
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # raised inside PEFT
