@@ -168,7 +168,27 @@ def no_file_writes(monkeypatch: pytest.MonkeyPatch) -> _WriteRecorder:
 
 
 @pytest.fixture
-def canned_server():
+def serve():
+    """``serve(handler_class)`` -> the base URL of a loopback ThreadingHTTPServer running it; each one started is
+    stopped when the test ends."""
+    servers = []
+
+    def start(handler: type[BaseHTTPRequestHandler]) -> str:
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+        thread.start()
+        servers.append((httpd, thread))
+        return f"http://127.0.0.1:{httpd.server_address[1]}"
+
+    yield start
+    for httpd, thread in servers:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+@pytest.fixture
+def canned_server(serve):
     """A stand-in reward server on loopback for replies the real one never sends: ``/health`` is right,
     ``/v1/score`` answers ``reply["score"]``; ``reply["auth"]`` collects the Authorization headers received."""
     reply = {}
@@ -193,10 +213,4 @@ def canned_server():
             self.rfile.read(int(self.headers["Content-Length"]))
             self._send(reply["score"])
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", reply
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    return serve(Handler), reply

@@ -2,10 +2,9 @@
 that are setup mistakes, requests too large for the server, and Retry-After."""
 
 import json
-import threading
 import time
 from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 import torch
@@ -81,7 +80,7 @@ def test_interleaved_groups_in_one_request_keep_each_sample_its_score():
 
 
 @pytest.fixture
-def scripted_server():
+def scripted_server(serve):
     """A loopback reward server serving one reward 'x' that scores each prompt as the number it holds. ``/health``
     is right. ``POST /v1/score`` first answers the ``(status, headers)`` pairs of ``state["script"]`` in turn (with
     a JSON error line), then refuses with 413 a batch over ``state["limit"]`` samples, else scores it.
@@ -118,13 +117,7 @@ def scripted_server():
                 self._send(200, {"names": ["x"], "kinds": {"x": state["kind"]}, "main": {"x": values},
                                  "scores": {"x/score": values}})
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", state
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    return serve(Handler), state
 
 
 def numbered(values, group):
