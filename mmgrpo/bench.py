@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import math
 import os
 import platform
 import statistics
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from mmgrpo.registry import Registry
+from mmgrpo.tracking import finite_or_null
 
 BENCHES = Registry("benchmark", builtin_modules=("mmgrpo.pipelines.flow.bench", "mmgrpo.pipelines.vlm.bench",
                                                   "mmgrpo.rewards.bench", "mmgrpo.learning"))
@@ -44,18 +44,6 @@ def median_seconds(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> 
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def finite_or_null(obj: Any) -> Any:
-    """``obj`` (nested dicts, lists and scalars) with every NaN or infinite float replaced by None, so that the
-    JSON is strict (a bare NaN breaks jq and JavaScript)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_or_null(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_or_null(v) for v in obj]
-    return obj
 
 
 class BenchUsageError(ValueError):

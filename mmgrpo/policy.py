@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from mmgrpo.config import ConfigError
+from mmgrpo.tracking import finite_or_null
 
 
 @dataclass
@@ -259,7 +260,7 @@ def write_sample_index(folder: Path, prompts: list[str], group: Any, files: list
     """``folder/index.json``: ``{"tag": folder name, "samples": [...]}`` with one record per sample, in batch
     order: ``file`` (name in ``folder``, null without one), ``prompt_index``, ``sample_index``
     (:func:`sample_positions`), ``prompt``, ``seed`` (null when unknown) and each of ``columns`` (name -> one value
-    per sample). NaN floats are written as null."""
+    per sample). NaN and infinite floats are written as null."""
     files = files or [None] * len(prompts)
     seeds = seeds or [None] * len(prompts)
     records = [{"file": f, "prompt_index": p, "sample_index": s, "prompt": prompt, "seed": seed,
@@ -267,19 +268,8 @@ def write_sample_index(folder: Path, prompts: list[str], group: Any, files: list
                for i, (f, (p, s), prompt, seed) in enumerate(zip(files, sample_positions(group), prompts, seeds))]
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / SAMPLE_INDEX
-    path.write_text(json.dumps({"tag": folder.name, "samples": _nan_as_none(records)}, indent=1, allow_nan=False))
+    path.write_text(json.dumps({"tag": folder.name, "samples": finite_or_null(records)}, indent=1, allow_nan=False))
     return path
-
-
-def _nan_as_none(value: Any) -> Any:
-    """``value`` (JSON-like) with every NaN float replaced by None."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _nan_as_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nan_as_none(v) for v in value]
-    return value
 
 
 @dataclass

@@ -201,3 +201,15 @@ def print_whole(renderable: Any) -> None:
         unbounded = console.options.update(max_width=10_000)
         console = Console(width=max(console.width, console.measure(renderable, options=unbounded).maximum))
     console.print(renderable)
+
+
+def finite_or_null(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists and scalars) with every NaN or infinite float replaced by None, so that the
+    JSON is strict (a bare NaN breaks jq and JavaScript)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
