@@ -224,3 +224,15 @@ def prune(run_dir: Path, keep_last: int) -> None:
             except OSError:  # a set-aside folder of that name that could not be deleted: delete in place
                 doomed = path
             shutil.rmtree(doomed, ignore_errors=True)
+
+
+def safetensors_files(folder: Path, weights_name: str, index_name: str) -> list[Path]:
+    """The safetensors files of a ``save_pretrained`` folder: ``weights_name`` (transformers' ``model.safetensors``,
+    diffusers' ``diffusion_pytorch_model.safetensors``), or the shards its index ``index_name`` lists.
+    FileNotFoundError naming the folder when it holds neither."""
+    index = folder / index_name
+    if index.is_file():
+        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (folder / weights_name).is_file():
+        return [folder / weights_name]
+    raise FileNotFoundError(f"no {weights_name} (or its index) in {folder}")

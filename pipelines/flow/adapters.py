@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmgrpo.checkpoint import checkpoint_hint
+from mmgrpo.checkpoint import checkpoint_hint, safetensors_files
 from mmgrpo.config import ConfigError, cwd_hint, hub_id_hint
 from mmgrpo.pipelines.flow.config import FlowModelConfig
 from mmgrpo.pipelines.flow.tiny import KINDS, tiny_path
@@ -688,20 +688,13 @@ def load_full(folder: Path, part: nn.Module) -> None:
     from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
     from safetensors.torch import load_file
 
-    index = folder / SAFE_WEIGHTS_INDEX_NAME
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (folder / SAFETENSORS_WEIGHTS_NAME).is_file():
-        files = [SAFETENSORS_WEIGHTS_NAME]
-    else:
-        raise FileNotFoundError(f"no {SAFETENSORS_WEIGHTS_NAME} (or its index) in {folder}")
     expected = {k: v.shape for k, v in part.state_dict().items()}
     seen: set[str] = set()
-    for file in files:
-        shard = load_file(folder / file)
+    for file in safetensors_files(folder, SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME):
+        shard = load_file(file)
         wrong = sorted(k for k, v in shard.items() if k not in expected or v.shape != expected[k])
         if wrong:
-            raise ValueError(f"weights in {folder / file} do not fit this {type(part).__name__}: {wrong[:3]}")
+            raise ValueError(f"weights in {file} do not fit this {type(part).__name__}: {wrong[:3]}")
         part.load_state_dict(shard, strict=False)
         seen |= set(shard)
         del shard

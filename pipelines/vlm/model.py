@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import re
 import warnings
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmgrpo.checkpoint import checkpoint_hint
+from mmgrpo.checkpoint import checkpoint_hint, safetensors_files
 from mmgrpo.config import ConfigError, cwd_hint, hub_id_hint
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.data import chat_content
@@ -191,18 +190,6 @@ def check_lora_targets(model: nn.Module, prefix: str, targets: list[str]) -> Non
                       f"{', '.join(linear)}")
 
 
-def weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index lists."""
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-
-    index = folder / SAFE_WEIGHTS_INDEX_NAME
-    if index.is_file():
-        return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    if (folder / SAFE_WEIGHTS_NAME).is_file():
-        return [folder / SAFE_WEIGHTS_NAME]
-    raise FileNotFoundError(f"no {SAFE_WEIGHTS_NAME} (or its index) in {folder}")
-
-
 def weight_plan(folder: Path, model: nn.Module, targets: dict[str, torch.Tensor],
                 mapping: list | None = None) -> list[tuple[Path, str, str, Any]]:
     """(file, checkpoint name, ``targets`` name, None or (the converter that matched it, its source pattern)) for
@@ -214,13 +201,14 @@ def weight_plan(folder: Path, model: nn.Module, targets: dict[str, torch.Tensor]
     from safetensors import safe_open
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
     mapping = get_model_conversion_mapping(model) if mapping is None else mapping
     renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
     converters = [t for t in mapping if isinstance(t, WeightConverter)]
     by_pattern = {p: t for t in converters for p in t.source_patterns}
     plan, unexpected, shaped, found = [], [], [], set()
-    for file in weight_files(folder):
+    for file in safetensors_files(folder, SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME):
         with safe_open(file, "pt") as f:
             keys = f.keys()  # a safe_open handle is no mapping
             for key in keys:
