@@ -287,7 +287,9 @@ def decode_video(path: str | os.PathLike, cfg: VLMVideoConfig) -> tuple[torch.Te
 
     T is :func:`frame_count` of the clip; H, W are :func:`smart_size` of the native size with the per-frame budget
     ``[cfg.min_pixels, cfg.max_pixels] * PIXEL_UNIT`` and ``cfg.size_factor``. The fps is ``T * native_fps /
-    total_frames``, ``native_fps`` the container's rate checked against its duration (:func:`clip_fps`) (Qwen2.5-VL's ``second_per_grid_ts`` is ``frame_multiple / fps``).
+    total_frames``, ``native_fps`` the container's rate checked against its duration (:func:`clip_fps`);
+    Qwen2.5-VL's processor sets ``second_per_grid_ts`` to its temporal patch (2 frames) over this fps, whatever
+    ``frame_multiple`` (a multiple of the patch) is.
     Raises MediaError for a missing or unreadable file, ConfigError for a bad ``video.*`` value or
     ``backend: decord`` without decord installed.
     """
