@@ -7,9 +7,12 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmgrpo.config import ConfigError
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -236,3 +239,14 @@ def safetensors_files(folder: Path, weights_name: str, index_name: str) -> list[
     if (folder / weights_name).is_file():
         return [folder / weights_name]
     raise FileNotFoundError(f"no {weights_name} (or its index) in {folder}")
+
+
+def placed_like(tensor: Tensor, target: Tensor) -> Tensor:
+    """The whole weight ``tensor`` laid out as ``target`` holds it: for a DTensor (a parameter FSDP2 shards), this
+    process's part on the target's mesh and placements, cut from ``tensor`` here without any communication (every
+    process reads the whole tensor itself); any other target takes ``tensor`` as it is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(target, DTensor):
+        return tensor
+    return distribute_tensor(tensor, target.device_mesh, target.placements, src_data_rank=None)

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mmgrpo.checkpoint import checkpoint_hint, safetensors_files
+from mmgrpo.checkpoint import checkpoint_hint, placed_like, safetensors_files
 from mmgrpo.config import ConfigError, cwd_hint, hub_id_hint
 from mmgrpo.pipelines.flow.config import FlowModelConfig
 from mmgrpo.pipelines.flow.tiny import KINDS, tiny_path
@@ -683,27 +683,36 @@ def lora_folder(directory: Path, part: str) -> Path:
 def load_full(folder: Path, part: nn.Module) -> None:
     """Copy the weights of a ``save_pretrained`` folder of ``part`` (one safetensors file, or shards listed in an
     index) into ``part``, in place, one shard at a time: host memory grows by a shard, not by a second model (a
-    12B transformer in fp32 is 48 GB). Missing, extra or differently shaped weights are one ValueError naming the
-    folder."""
+    12B transformer in fp32 is 48 GB). Into parameters FSDP2 has sharded (DTensors), each process copies its own
+    part of each tensor (:func:`~mmgrpo.checkpoint.placed_like`). Missing, extra or differently shaped (whole)
+    weights are one ValueError naming the folder."""
     from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
     from safetensors.torch import load_file
 
-    expected = {k: v.shape for k, v in part.state_dict().items()}
+    targets = part.state_dict()  # a DTensor's shape is the whole tensor's
     seen: set[str] = set()
     for file in safetensors_files(folder, SAFETENSORS_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME):
         shard = load_file(file)
-        wrong = sorted(k for k, v in shard.items() if k not in expected or v.shape != expected[k])
+        wrong = sorted(k for k, v in shard.items() if k not in targets or v.shape != targets[k].shape)
         if wrong:
             raise ValueError(f"weights in {file} do not fit this {type(part).__name__}: {wrong[:3]}")
-        part.load_state_dict(shard, strict=False)
+        part.load_state_dict({k: placed_like(v, targets[k]) for k, v in shard.items()}, strict=False)
         seen |= set(shard)
         del shard
-    if missing := sorted(set(expected) - seen):
+    if missing := sorted(set(targets) - seen):
         raise ValueError(f"weights in {folder} miss {len(missing)} of this {type(part).__name__}'s: {missing[:3]}")
 
 
+def _stock_class(module: nn.Module) -> type[nn.Module]:
+    """``module``'s own class: FSDP2's ``fully_shard`` swaps in a subclass of its own (``FSDP<name>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
 def _save_full(folder: Path, part: nn.Module, state_dict: dict[str, Tensor] | None) -> None:
-    """A ``from_pretrained`` folder of ``part``; from ``state_dict`` (gathered weights) when given."""
+    """A ``from_pretrained`` folder of ``part``; from ``state_dict`` (gathered weights) when given. The config
+    names ``part``'s own class (:func:`_stock_class`), which diffusers' loaders look up, even when FSDP2 shards it."""
     if state_dict is None:
         part.save_pretrained(folder, safe_serialization=True)
         return
@@ -712,6 +721,9 @@ def _save_full(folder: Path, part: nn.Module, state_dict: dict[str, Tensor] | No
 
     folder.mkdir(parents=True, exist_ok=True)
     part.save_config(folder)  # what save_pretrained writes: config + one safetensors shard
+    config = folder / part.config_name
+    config.write_text(json.dumps({**json.loads(config.read_text()), "_class_name": _stock_class(part).__name__},
+                                 indent=2, sort_keys=True) + "\n")
     save_file({k: v.detach().contiguous() for k, v in state_dict.items()}, folder / SAFETENSORS_WEIGHTS_NAME,
               metadata={"format": "pt"})
 

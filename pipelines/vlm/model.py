@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmgrpo.checkpoint import checkpoint_hint, safetensors_files
+from mmgrpo.checkpoint import checkpoint_hint, placed_like, safetensors_files
 from mmgrpo.config import ConfigError, cwd_hint, hub_id_hint
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.data import chat_content
@@ -231,17 +231,6 @@ def weight_plan(folder: Path, model: nn.Module, targets: dict[str, torch.Tensor]
     if wrong:
         raise ValueError(f"weights in {folder} do not fit this {type(model).__name__}: {'; '.join(wrong)}")
     return plan
-
-
-def placed_like(tensor: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The whole weight ``tensor`` laid out as ``target`` holds it: for a DTensor (a parameter FSDP2 shards), this
-    process's part on the target's mesh and placements, cut from ``tensor`` here without any communication (every
-    process reads the whole tensor itself); any other target takes ``tensor`` as it is."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if not isinstance(target, DTensor):
-        return tensor
-    return distribute_tensor(tensor, target.device_mesh, target.placements, src_data_rank=None)
 
 
 def load_full(folder: Path, model: nn.Module, mapping: list | None = None) -> None:
