@@ -99,6 +99,19 @@ def check_batch_layout(cfg: BaseConfig, num_processes: int) -> None:
     update_sizes(t.prompts_per_step // num_processes * t.group_size, t.micro_batch_size, t.updates_per_rollout)
 
 
+def merge_scores(scores: list[dict[str, torch.Tensor]], rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The logged scores (name -> (B_k,) tensor) of rollouts k at their ``rows`` (n_k,), concatenated: every name
+    that any rollout reported, NaN ("does not apply") on the rows of a rollout that did not report it (a reward's
+    sub-scores may differ from batch to batch)."""
+    def column(part: dict[str, torch.Tensor], name: str, r: torch.Tensor) -> torch.Tensor:
+        if name in part:
+            return part[name][r.to(part[name].device)].cpu()
+        return torch.full((len(r),), math.nan, dtype=torch.float64)
+
+    names = dict.fromkeys(name for part in scores for name in part)
+    return {name: torch.cat([column(part, name, r) for part, r in zip(scores, rows)]) for name in names}
+
+
 def configure_deepspeed(plugin: DeepSpeedPlugin, cfg: BaseConfig) -> None:
     """Fill the DeepSpeed config from the run's, before ``prepare``, replacing the launcher file's values:
     ``gradient_clipping`` = ``optim.max_grad_norm`` (0 = none; under DeepSpeed the engine clips, and accelerate's
@@ -449,8 +462,7 @@ class Trainer:
                 for k in range(len(rollouts))]
         merged = self.policy.merge_groups(rollouts, rows)
         main = torch.cat([m[r.to(m.device)] for m, r in zip(mains, rows)])
-        logged = {name: torch.cat([lg[name][r.to(lg[name].device)] for lg, r in zip(loggeds, rows)])
-                  for name in logged}
+        logged = merge_scores(loggeds, rows)
         stats = {"dynamic/rounds": float(rounds), "dynamic/groups_sampled": float(len(candidates)),
                  "dynamic/signal_frac": sum(not c[0] for c in kept) / max(len(kept), 1)}
         return merged, main, logged, stats

@@ -390,6 +390,21 @@ def test_oversampled_prompts_replace_groups_without_signal_from_the_same_rollout
     assert sum(r["groups/zero_std_frac"] for r in alone) < sum(r["groups/zero_std_frac"] for r in masked)
 
 
+def test_refill_merges_sub_scores_that_only_some_rounds_report(tmp_path):
+    """A reward's sub-scores may differ from batch to batch (here one per target, reported only when the batch holds
+    that target); merging the refill rounds' logged scores raised a KeyError for a sub-score the first rollout
+    reported and a later round did not, and dropped one only a later round reported."""
+    # a step's first rollout holds both prompts, so both targets; a refill round of one prompt may lack target 0
+    cfg = toy(tmp_path, "toy.num_prompts=2", "toy.num_arms=2", "toy.seq_len=1", "train.group_size=2",
+              "train.prompts_per_step=2", "train.micro_batch_size=4", "grpo.mask_zero_std_groups=true",
+              "grpo.refill_rounds=4", "train.max_steps=8", 'rewards=[{name: "toy_bandit:per_target_reward"}]')
+    history = Trainer(cfg).train()
+    assert [r["step"] for r in history] == list(range(1, 9)) and any(r["dynamic/rounds"] > 0 for r in history)
+    key = "reward/toy_bandit:per_target_reward/target0"
+    # every step's first rollout reported it; the rows of a round that did not count as not applying (NaN)
+    assert all(f"{key}/nan_frac" in r for r in history)
+
+
 def test_refill_needs_the_mask_and_a_policy_that_merges(tmp_path):
     from toy_bandit import ToyPolicy
 

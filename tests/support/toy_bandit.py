@@ -149,3 +149,13 @@ PIPELINE = PipelineSpec(config_class=ToyConfig, build=ToyPolicy, description="ca
 def constant_reward(batch: RewardBatch) -> list[float]:
     """0 for every completion: a reward that never gives a signal."""
     return [0.0] * len(batch.completions)
+
+
+def per_target_reward(batch: RewardBatch) -> dict[str, list[float | None]]:
+    """:func:`match_reward` as ``score``, plus a ``target0`` sub-score for the samples whose target is 0, reported
+    only when the batch holds one: a reward whose sub-scores differ from batch to batch (per problem type)."""
+    scores = match_reward(batch)
+    out: dict[str, list[float | None]] = {"score": scores}
+    if any(m["target"] == 0 for m in batch.meta):
+        out["target0"] = [s if m["target"] == 0 else None for s, m in zip(scores, batch.meta)]
+    return out
