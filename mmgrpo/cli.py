@@ -210,7 +210,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     train_items, eval_items = policy.datasets()
     known = {item["prompt"]: item for item in train_items + eval_items}
     items = [known.get(p, {"prompt": p}) for p in args.prompt] if args.prompt else eval_items[: args.num]
-    batch = policy.generate(items)
+    if args.sample_seed is not None:
+        items = [{**item, "seed": args.sample_seed} for item in items]
+    # one per item: the call eval and training make, which every pipeline takes
+    batch = policy.generate(items, per_prompt=args.per_prompt) if args.per_prompt > 1 else policy.generate(items)
     if len(batch) == 0:
         raise RunError(f"none of the {len(items)} items could be sampled: all were skipped")
     out = Path(cfg.output_dir) / "samples"
@@ -319,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config("sample", "generate images, videos or text (with a checkpoint via resume=...)", cmd_sample)
     p.add_argument("--prompt", action="append", help="prompt to sample (repeatable); default: held-out prompts")
     p.add_argument("--num", type=positive_int, default=8, help="held-out prompts to sample when no --prompt is given")
+    p.add_argument("--per-prompt", type=positive_int, default=1, metavar="K", help="samples per prompt (default 1), "
+                   "each from its own seed (index.json's seed); the vlm needs generation.eval_temperature > 0")
+    p.add_argument("--sample-seed", type=non_negative_int, metavar="SEED", help="the seed of each prompt's first "
+                   "sample (default: from seed and the prompt): a seed from index.json regenerates that sample")
 
     p = with_config("config", "show every option of a preset (or a pipeline's defaults: 'mmgrpo config flow'): "
                     "its resolved value and what it does", cmd_config)
@@ -368,6 +375,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

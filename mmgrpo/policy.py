@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -202,8 +203,10 @@ class Policy(ABC):
         """(train items, held-out items). Each item is a dict with at least ``prompt``."""
 
     @abstractmethod
-    def generate(self, items: list[dict]) -> Any:
-        """One sample per item (with the eval sampler settings), as a reward batch, for eval and ``sample``."""
+    def generate(self, items: list[dict], per_prompt: int = 1) -> Any:
+        """One sample per item (with the eval sampler settings), as a reward batch, for eval and ``sample``.
+        ``per_prompt`` (``mmgrpo sample --per-prompt``): K samples per item, consecutive and sharing a group id,
+        sample k seeded by :func:`sample_seeds`; only ``sample`` passes it, and pipelines may refuse K > 1."""
 
     def save_samples(self, batch: Any, directory: Path, tag: str, per_sample: bool = False,
                      scores: dict[str, torch.Tensor] | None = None) -> list[Path]:
@@ -223,6 +226,21 @@ class Policy(ABC):
         if scores is not None:
             columns["scores"] = score_records(scores, len(batch))
         return [path, write_sample_index(directory / tag, batch.prompts, batch.group, **columns)]
+
+
+def first_seed(item: dict, seed: int) -> int:
+    """The seed of an item's sample 0 in ``generate``: its ``seed`` key, else a 32-bit hash of the run's ``seed``
+    and the item's prompt, so that it does not depend on the batch."""
+    if "seed" in item:
+        return int(item["seed"])
+    return zlib.crc32(json.dumps([seed, -1, zlib.crc32(item["prompt"].encode())]).encode())
+
+
+def sample_seeds(first: int, count: int) -> list[int]:
+    """The seeds of samples 0..count-1 of a prompt whose sample 0 has seed ``first``: ``first``, then for sample k
+    a 32-bit hash of (``first``, k). Sample k's seed depends neither on ``count`` nor on the batch, and an item
+    whose ``seed`` is sample k's regenerates sample k (as its sample 0)."""
+    return [first] + [zlib.crc32(json.dumps([first, k]).encode()) for k in range(1, count)]
 
 
 SAMPLE_INDEX = "index.json"

@@ -40,8 +40,10 @@ from mmgrpo.policy import (
     Policy,
     Rollout,
     any_process,
+    first_seed,
     merged_counters,
     rows_after_first_update,
+    sample_seeds,
     sample_stems,
     score_records,
     write_sample_index,
@@ -637,18 +639,19 @@ class FlowPolicy(Policy):
 
     # ------------------------------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def generate(self, items: list[dict]) -> RewardBatch:
-        """One deterministic Euler-ODE sample per item with ``sampling.eval_num_steps`` steps; item i starts
-        from noise seeded by ``seed`` and its prompt (or its ``seed`` key), so it does not depend on the
-        batch. The sample's ``meta["seed"]`` is that noise seed."""
+    def generate(self, items: list[dict], per_prompt: int = 1) -> RewardBatch:
+        """``per_prompt`` (K) deterministic Euler-ODE samples per item with ``sampling.eval_num_steps`` steps, the
+        K of item i consecutive with group id i. Sample k starts from noise seeded by
+        ``sample_seeds(first_seed(item, seed), K)[k]`` (sample 0: ``seed`` and the prompt, or the item's ``seed``
+        key), so it does not depend on the batch or on K. Each sample's ``meta["seed"]`` is its noise seed."""
         s = self.cfg.sampling
+        rows = [{**it, "seed": seed} for it in items for seed in sample_seeds(first_seed(it, self.cfg.seed), per_prompt)]
         sigmas = self.adapter.sigmas(s.eval_num_steps, s.height, s.width, s.num_frames).float()
-        embeds = self.adapter.encode([it["prompt"] for it in items], s.negative_prompt, s.guidance_scale)
-        seeds = [int(it.get("seed", self._seed(-1, zlib.crc32(it["prompt"].encode())))) for it in items]
-        x = torch.cat([self._initial(1, torch.Generator().manual_seed(seed)) for seed in seeds])
+        embeds = self.adapter.encode([row["prompt"] for row in rows], s.negative_prompt, s.guidance_scale)
+        x = torch.cat([self._initial(1, torch.Generator().manual_seed(row["seed"])) for row in rows])
         for i in range(s.eval_num_steps):
             sigma = sigmas[i].expand(len(x)).to(self.device)
             v = self._chunked_velocity(x, sigma, embeds)
             x = kernels.ode_euler_step(x, v, sigma, float(sigmas[i + 1]))
-        seeded = [{**it, "seed": seed} for it, seed in zip(items, seeds)]  # meta["seed"]: the sample's noise seed
-        return self._reward_batch(seeded, 1, torch.arange(len(items)), self._decode(x))
+        group = torch.arange(len(items)).repeat_interleave(per_prompt)
+        return self._reward_batch(rows, 1, group, self._decode(x))

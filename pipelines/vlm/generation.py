@@ -102,15 +102,20 @@ class BufferLayer(DynamicLayer):
         self._view(self.length)
 
 
+Generators = torch.Generator | list[torch.Generator] | None
+"""What sampling draws from: one generator for the whole batch, or one per row (a row's tokens then depend only on
+its own generator, not on the other rows), or None (the global RNG)."""
+
+
 def scoring_temperature(cfg: VLMGenerationConfig) -> float:
     """The temperature sampled tokens are scored at: the sampling one, or 1 for greedy decoding."""
     return cfg.temperature if cfg.temperature > 0 else 1.0
 
 
 def sample_tokens(logits: torch.Tensor, suppress: torch.Tensor, cfg: VLMGenerationConfig,
-                  generator: torch.Generator | None) -> torch.Tensor:
+                  generator: Generators) -> torch.Tensor:
     """One token per row from logits (B,V) fp32: ``suppress`` ids get -inf, then temperature (<= 0 is greedy),
-    top-k, top-p. Returns (B,) int64."""
+    top-k, top-p. ``generator``: one for the batch, or a list of B, one per row. Returns (B,) int64."""
     logits = logits.index_fill(1, suppress, float("-inf"))
     if cfg.temperature <= 0:
         return logits.argmax(-1)
@@ -123,7 +128,10 @@ def sample_tokens(logits: torch.Tensor, suppress: torch.Tensor, cfg: VLMGenerati
         probs = ordered.softmax(-1)
         drop = probs.cumsum(-1) - probs > cfg.top_p  # keeps the smallest prefix whose mass reaches top_p
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+    probs = logits.softmax(-1)
+    if isinstance(generator, list):
+        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generator)])
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 @functools.cache
@@ -278,10 +286,10 @@ def prefill(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], rows: int, sh
 
 @torch.no_grad()
 def decode(vlm: VLMModel, logits: torch.Tensor, steps: RowSteps | PackedSteps, cfg: VLMGenerationConfig,
-           generator: torch.Generator | None, synced: Callable[[bool], bool] | None = None) -> Completions:
+           generator: Generators, synced: Callable[[bool], bool] | None = None) -> Completions:
     """Sample from the prefill ``logits`` (B,V) on, feeding each token back through ``steps``. Rows stop at EOS or
     at ``cfg.max_new_tokens``; finished rows sample nothing more, and leave the batch in ``steps.block``-sized
-    blocks once the whole block has finished.
+    blocks once the whole block has finished. ``generator``: see :data:`Generators` (a list: B, in row order).
 
     ``synced`` (sharded parameters, where every forward gathers weights from all processes): called once per
     token with whether this process has rows left to decode, it returns whether any process has. Finished rows
@@ -302,7 +310,8 @@ def decode(vlm: VLMModel, logits: torch.Tensor, steps: RowSteps | PackedSteps, c
     for t in range(limit):
         live = ~finished[alive]
         rows, live_logits = (alive, logits) if live.all() else (alive[live], logits[live])
-        sampled = sample_tokens(live_logits, suppress, cfg, generator)
+        own = [generator[r] for r in rows.tolist()] if isinstance(generator, list) else generator
+        sampled = sample_tokens(live_logits, suppress, cfg, own)
         tokens[rows, t] = sampled
         logps[rows, t] = gather_logprobs(live_logits, sampled, scoring_temperature(cfg))
         lengths[rows] = t + 1
@@ -344,11 +353,12 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def generate_groups(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], group_size: int,
-                    gen_cfg: VLMGenerationConfig, generator: torch.Generator | None = None,
+                    gen_cfg: VLMGenerationConfig, generator: Generators = None,
                     synced: Callable[[bool], bool] | None = None) -> list[Completions]:
     """``group_size`` completions of each prompt (batch-1 ``inputs`` from ``VLMModel.prompt_inputs``): each prompt
     and its vision inputs prefilled once with the KV cache shared across its group, and the groups decoded
     together, ``gen_cfg.batch_rows`` rows at a time (0: one group at a time; a group is never split).
+    ``generator``: see :data:`Generators` (a list: one per completion, ``len(prompts) * group_size``, grouped).
     ``synced``: see :func:`decode` (every process must pass the same number of prompts)."""
     per_call = max(1, gen_cfg.batch_rows // group_size)
     if not full_attention_only(vlm):
@@ -357,7 +367,9 @@ def generate_groups(vlm: VLMModel, prompts: list[dict[str, torch.Tensor]], group
     with eval_mode(vlm.model):
         for start in range(0, len(prompts), per_call):
             logits, steps = prefill(vlm, prompts[start:start + per_call], group_size, True, gen_cfg.max_new_tokens)
-            batch = decode(vlm, logits, steps, gen_cfg, generator, synced)
+            rows = slice(start * group_size, (start + per_call) * group_size)
+            batch = decode(vlm, logits, steps, gen_cfg, generator[rows] if isinstance(generator, list) else generator,
+                           synced)
             out += [batch.rows(r, r + group_size) for r in range(0, len(batch.texts), group_size)]
     return out
 

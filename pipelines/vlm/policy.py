@@ -56,7 +56,9 @@ from mmgrpo.policy import (
     Policy,
     Rollout,
     any_process,
+    first_seed,
     merged_counters,
+    sample_seeds,
     score_records,
     write_sample_index,
 )
@@ -540,38 +542,56 @@ class VLMPolicy(Policy):
         return LogProbs(logp=logp, kl=kl, entropy=entropy)
 
     # ------------------------------------------------------------------------------------------------ eval
-    def generate(self, items: list[dict]) -> RewardBatch:
+    def generate(self, items: list[dict], per_prompt: int = 1) -> RewardBatch:
         """One completion per item at ``generation.eval_temperature`` (0: greedy). Items without a ``sample``
         (``mmgrpo sample --prompt``) are text-only; bad items are skipped (or stop the run) as in training.
         Sampling draws from a generator seeded by ``seed``, never from the global RNG: evaluating during training
         leaves the training rollouts as they would have been, and every evaluation of a policy samples the same.
-        Always through transformers, also with ``generation.backend: vllm`` (only training rollouts use vLLM)."""
+        Always through transformers, also with ``generation.backend: vllm`` (only training rollouts use vLLM).
+
+        ``per_prompt`` K > 1, or items with a ``seed`` key, at a temperature > 0 (``mmgrpo sample``): K
+        completions per item, consecutive with one group id, each drawn from a generator of its own, seeded by
+        ``sample_seeds(first_seed(item, seed), K)[k]`` and recorded as its ``meta["seed"]``, so a completion
+        depends neither on K nor on the batch (up to float rounding of the batched forwards). K > 1 at
+        temperature 0 (K identical greedy completions) is a ConfigError."""
+        gen_cfg = replace(self.cfg.generation, temperature=self.cfg.generation.eval_temperature)
+        if per_prompt > 1 and gen_cfg.temperature <= 0:
+            raise ConfigError(f"bad value for 'generation.eval_temperature': 0 decodes greedily, so the {per_prompt} "
+                              f"samples per prompt would be identical; set it above 0 (e.g. 1.0) to sample them")
         for item in items:
             if item.get("sample") is None:
                 check_free_prompt(item["prompt"])
         self.cache.clear()
         counters: dict[str, float] = defaultdict(float)
         generator = torch.Generator(device=self.vlm.device).manual_seed(self.cfg.seed)
-        gen_cfg = replace(self.cfg.generation, temperature=self.cfg.generation.eval_temperature)
+        seeded = gen_cfg.temperature > 0 and (per_prompt > 1 or any("seed" in item for item in items))
         prompts, texts, meta = [], [], []
-        per_call = max(1, gen_cfg.batch_rows)  # prepared (decoded) media are held for one call's items only
+        per_call = max(1, gen_cfg.batch_rows // per_prompt)  # prepared (decoded) media are held for one call's items
         with self.sampling_weights() as synced:
             for start in range(0, len(items), per_call):
-                prepared = [self._try_prepare(item, counters) for item in items[start:start + per_call]]
+                chunk = items[start:start + per_call]
+                prepared = [self._try_prepare(item, counters) for item in chunk]
                 answered = [p is not None for p in prepared]
                 if synced is not None and not all(answered):
                     # every process must run the same forwards: a skipped item is stood in for, its answer dropped
                     stand_in = next((p for p in prepared if p is not None), None) or self._prepare_rollout(
                         self.train_items[:1], counters, torch.Generator().manual_seed(self.cfg.seed))[0]
                     prepared = [p or stand_in for p in prepared]
-                rows = [(p, real) for p, real in zip(prepared, answered) if p is not None]
-                outs = generate_groups(self.vlm, [p.inputs for p, _ in rows], 1, gen_cfg, generator, synced)
-                for (p, real), out in zip(rows, outs):
+                rows = [(p, real, item) for p, real, item in zip(prepared, answered, chunk) if p is not None]
+                # from the item itself: a Prepared may come from the prompt cache, made for an item without a seed
+                seeds = [sample_seeds(first_seed(item, self.cfg.seed), per_prompt) if seeded else [None] * per_prompt
+                         for _, _, item in rows]
+                draw = ([torch.Generator(device=self.vlm.device).manual_seed(s) for each in seeds for s in each]
+                        if seeded else generator)
+                outs = generate_groups(self.vlm, [p.inputs for p, _, _ in rows], per_prompt, gen_cfg, draw, synced)
+                for (p, real, _), out, each in zip(rows, outs, seeds):
                     if real:
-                        prompts.append(p.item["prompt"])
+                        prompts += [p.item["prompt"]] * per_prompt
                         texts += out.texts
-                        meta.append({**p.meta(), "truncated": bool(out.truncated[0])})
-        return RewardBatch(prompts=prompts, group=torch.arange(len(prompts)), completions=texts, meta=meta)
+                        meta += [{**p.meta(), "truncated": bool(cut), **({} if s is None else {"seed": s})}
+                                 for cut, s in zip(out.truncated, each)]
+        group = torch.arange(len(prompts) // per_prompt).repeat_interleave(per_prompt)
+        return RewardBatch(prompts=prompts, group=group, completions=texts, meta=meta)
 
     def save_samples(self, batch: RewardBatch, directory: Path, tag: str, per_sample: bool = False,
                      scores: dict[str, torch.Tensor] | None = None) -> list[Path]:
@@ -579,7 +599,9 @@ class VLMPolicy(Policy):
         (B,) tensor, the caller's, as logged) or, when None (``mmgrpo sample``), every configured evaluation reward
         scored here. ``per_sample``: also ``tag/index.json`` (:func:`~mmgrpo.policy.write_sample_index`) with each
         sample's ``completion``, ``truncated``, ground truth ``answer`` (null without one) and, when there are any,
-        ``scores`` (reward name -> value, null where it does not apply); ``file`` and ``seed`` are null."""
+        ``scores`` (reward name -> value, null where it does not apply); ``seed`` is the sample's ``meta["seed"]``
+        (:meth:`generate`'s per-sample seed, null when the batch shared one generator or decoded greedily) and
+        ``file`` is null."""
         directory.mkdir(parents=True, exist_ok=True)
         note = ""
         if scores is None:
@@ -603,7 +625,8 @@ class VLMPolicy(Policy):
                    "answer": [m.get("answer") for m in batch.meta]}
         if scores:
             columns["scores"] = score_records(scores, len(batch))
-        return [path, write_sample_index(directory / tag, batch.prompts, batch.group, **columns)]
+        seeds = [m.get("seed") for m in batch.meta]
+        return [path, write_sample_index(directory / tag, batch.prompts, batch.group, seeds=seeds, **columns)]
 
     def _score_for_page(self, batch: RewardBatch) -> tuple[dict[str, torch.Tensor], str]:
         """(every configured evaluation reward's (B,) scores, "") for :meth:`save_samples`; ({}, a note for the

@@ -48,6 +48,15 @@ def test_overrides_may_follow_options_and_counts_must_be_positive(capsys):
             parse(argv)
         assert err.value.code == 2
     assert "must be >= 1, got 0" in capsys.readouterr().err
+    assert parse(["sample", "c.yaml"]).per_prompt == 1 and parse(["sample", "c.yaml", "--per-prompt", "3"]).per_prompt == 3
+    for count in ("0", "-2"):
+        with pytest.raises(SystemExit) as err:
+            parse(["sample", "c.yaml", "--per-prompt", count])
+        assert err.value.code == 2
+        assert f"--per-prompt: must be >= 1, got {count}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["sample", "c.yaml", "--sample-seed", "-1"])
+    assert "--sample-seed: must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_demo_help_gives_each_demo_budget():

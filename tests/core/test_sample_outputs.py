@@ -160,3 +160,40 @@ def test_vlm_sample_writes_an_index_with_completions_and_rewards(tmp_path):
         assert r["file"] is None and r["seed"] is None and r["answer"]
         assert set(r["scores"]) == {"format", "accuracy"}
         assert f"format {r['scores']['format']:.3f}" in markdown
+
+
+def test_flow_sample_per_prompt_writes_k_seeded_images_and_a_seed_regenerates_one(tmp_path, monkeypatch):
+    """``--per-prompt K``: K images per prompt, grouped in the index with distinct noise seeds; one of those seeds
+    given back with ``--sample-seed`` regenerates that image alone."""
+    monkeypatch.chdir(ROOT)
+    preset = str(ROOT / "configs" / "flow" / "tiny_flowgrpo.yaml")
+    args = [preset, *RANDOM_TINY_SD3, *FAST_FLOW, f"output_dir={tmp_path}"]
+    assert main(["sample", *args, "--num", "1", "--per-prompt", "3"]) == 0
+    folder = tmp_path / "samples" / "sample-base"
+    records = index_of(folder)
+    assert [r["file"] for r in records] == ["p000-s00.png", "p000-s01.png", "p000-s02.png"]
+    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(0, 0), (0, 1), (0, 2)]
+    assert len({r["prompt"] for r in records}) == 1 and len({r["seed"] for r in records}) == 3
+    pixels = [np.asarray(Image.open(folder / r["file"])).astype(int) for r in records]
+    assert all(np.abs(a - b).max() > 2 for a, b in ((pixels[0], pixels[1]), (pixels[1], pixels[2])))
+    assert main(["sample", *args, "--prompt", records[2]["prompt"], "--sample-seed", str(records[2]["seed"])]) == 0
+    (again,) = index_of(tmp_path / "samples" / "sample-base-2")
+    assert again["seed"] == records[2]["seed"]
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "samples" / "sample-base-2" / again["file"])), pixels[2])
+
+
+def test_vlm_sample_per_prompt_needs_a_sampling_temperature_and_records_seeds(tmp_path, capsys):
+    args = [*VLM_ARGS, "data.num_eval=2", f"output_dir={tmp_path}", "rewards=[{name: format}]"]
+    assert main(["sample", *args, "--num", "1", "--per-prompt", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading bar
+    assert err.startswith("config error: bad value for 'generation.eval_temperature': 0 decodes greedily")
+    assert not (tmp_path / "samples").exists()
+    hot = [*args, "generation.eval_temperature=1.5"]
+    assert main(["sample", *hot, "--num", "1", "--per-prompt", "3"]) == 0
+    records = index_of(tmp_path / "samples" / "sample-base")
+    assert [(r["prompt_index"], r["sample_index"]) for r in records] == [(0, 0), (0, 1), (0, 2)]
+    assert len({r["seed"] for r in records}) == 3 and all(isinstance(r["seed"], int) for r in records)
+    assert main(["sample", *hot, "--prompt", records[1]["prompt"], "--sample-seed", str(records[1]["seed"])]) == 0
+    (again,) = index_of(tmp_path / "samples" / "sample-base-2")
+    assert (again["seed"], again["completion"], again["answer"]) == (records[1]["seed"], records[1]["completion"],
+                                                                   records[1]["answer"])

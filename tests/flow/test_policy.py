@@ -356,6 +356,25 @@ def test_generate_is_deterministic_per_item(adapter, tmp_path):
     assert (a.images[0] - a.images[1]).abs().max() > 0.01
 
 
+def test_generate_per_prompt_draws_k_seeded_samples_that_regenerate_alone(adapter, tmp_path):
+    """``mmgrpo sample --per-prompt K``: K samples per item, grouped, each from its own noise seed; sample 0 is the
+    one-per-item sample, and a sample's recorded seed, given as an item's ``seed``, regenerates it alone."""
+    policy = FlowPolicy(config("tiny_flowgrpo", tmp_path), adapter=adapter)
+    one = policy.generate(ITEMS)
+    many = policy.generate(ITEMS, per_prompt=3)
+    assert many.images.shape == (6, 3, 32, 32) and many.group.tolist() == [0, 0, 0, 1, 1, 1]
+    assert many.prompts == [ITEMS[0]["prompt"]] * 3 + [ITEMS[1]["prompt"]] * 3
+    seeds = [m["seed"] for m in many.meta]
+    assert seeds[::3] == [m["seed"] for m in one.meta] and len(set(seeds)) == 6
+    torch.testing.assert_close(many.images[::3], one.images, rtol=0, atol=1e-4)
+    assert min((many.images[i] - many.images[j]).abs().max() for i, j in ((0, 1), (0, 2), (1, 2))) > 0.01
+    torch.testing.assert_close(policy.generate(ITEMS, per_prompt=3).images, many.images, rtol=0, atol=0)
+    assert [m["seed"] for m in policy.generate(ITEMS[1:], per_prompt=2).meta] == seeds[3:5]  # not K's or the batch's
+    alone = policy.generate([{**ITEMS[1], "seed": seeds[5]}])
+    assert alone.meta[0]["seed"] == seeds[5]
+    torch.testing.assert_close(alone.images[0], many.images[5], rtol=0, atol=1e-4)
+
+
 def test_lora_checkpoint_loads_into_a_stock_diffusers_pipeline(adapter, tmp_path):
     from diffusers import StableDiffusion3Pipeline
 

@@ -400,6 +400,34 @@ def test_generate_leaves_the_global_rng_alone(lora_policy):
         policy.cfg.generation.eval_temperature = before
 
 
+def test_generate_per_prompt_samples_k_seeded_completions_that_regenerate_alone(lora_policy, monkeypatch):
+    """``mmgrpo sample --per-prompt K``: K completions per item at ``generation.eval_temperature``, grouped, each
+    from its own per-row generator; its recorded seed, given as the item's ``seed``, regenerates it alone."""
+    policy = lora_policy
+    _, held = policy.datasets()
+    monkeypatch.setattr(policy.cfg.generation, "eval_temperature", 1.5)
+    many = policy.generate(held[:2], per_prompt=3)
+    assert many.group.tolist() == [0, 0, 0, 1, 1, 1] and many.prompts == [held[0]["prompt"]] * 3 + [
+        held[1]["prompt"]] * 3
+    seeds = [m["seed"] for m in many.meta]
+    assert all(isinstance(s, int) for s in seeds) and len(set(seeds)) == 6
+    assert len(set(many.completions[:3])) > 1 and len(set(many.completions[3:])) > 1
+    assert policy.generate(held[:2], per_prompt=3).completions == many.completions
+    fewer = policy.generate(held[1:2], per_prompt=2)  # sample k depends neither on K nor on the batch
+    assert [m["seed"] for m in fewer.meta] == seeds[3:5] and fewer.completions == many.completions[3:5]
+    alone = policy.generate([{**held[0], "seed": seeds[2]}])
+    assert alone.completions == many.completions[2:3] and alone.meta[0]["seed"] == seeds[2]
+    assert "seed" not in policy.generate(held[:1]).meta[0]  # one per item: the batch's shared generator, as before
+
+
+def test_generate_per_prompt_refuses_identical_greedy_samples(lora_policy):
+    _, held = lora_policy.datasets()
+    assert lora_policy.cfg.generation.eval_temperature == 0
+    with pytest.raises(ConfigError, match=r"^bad value for 'generation.eval_temperature': 0 .*identical") as err:
+        lora_policy.generate(held[:1], per_prompt=2)
+    assert "\n" not in str(err.value)
+
+
 MOVE = ("generation.mask_truncated=false", "grpo.kl_beta=0.1", "grpo.kl_estimator=k1")
 """k1's gradient is 1 per token even at the reference, so one update moves the weights whatever the rewards."""
 
