@@ -893,9 +893,11 @@ class Trainer:
         """reward/mean (the weighted combination) and reward/<name>/mean for every reward and sub-score: means over
         the non-NaN scores of every process's samples (NaN when there is none), and reward/<name>/nan_frac, the
         fraction of all samples with a NaN score (every step, so its series has no gaps; the summary and the plots
-        leave out a nan_frac that stays 0). Every process must call this."""
+        leave out a nan_frac that stays 0). A reward that returned sub-scores logs its main score, the (N, R)
+        ``main`` column that enters the combination, as reward/<name>. Every process must call this."""
+        mains = {name: main[:, r] for r, name in enumerate(self.rewards.names) if name not in logged}
         columns = {"reward/mean": weighted_reward(main, self.rewards.weights),
-                   **{f"reward/{name}": scores for name, scores in logged.items()}}
+                   **{f"reward/{name}": scores for name, scores in {**mains, **logged}.items()}}
         local = {key: (v.double().nansum().item(), int((~v.isnan()).sum()), v.numel()) for key, v in columns.items()}
         parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
         out = {}

@@ -390,6 +390,15 @@ def test_oversampled_prompts_replace_groups_without_signal_from_the_same_rollout
     assert sum(r["groups/zero_std_frac"] for r in alone) < sum(r["groups/zero_std_frac"] for r in masked)
 
 
+def test_a_reward_with_sub_scores_logs_its_main_score_under_its_name(tmp_path):
+    """metrics.jsonl has reward/<name>/mean for every reward (ARCHITECTURE.md): a reward returning a dict of
+    sub-scores logged only reward/<name>/<sub>/mean, not the score that enters the combination."""
+    history = Trainer(toy(tmp_path, "train.max_steps=2", 'rewards=[{name: "toy_bandit:per_target_reward"}]')).train()
+    key = "reward/toy_bandit:per_target_reward"
+    assert all(r[f"{key}/mean"] == r[f"{key}/score/mean"] == r["reward/mean"] for r in history)
+    assert all(r[f"{key}/nan_frac"] == 0.0 for r in history)
+
+
 def test_refill_merges_sub_scores_that_only_some_rounds_report(tmp_path):
     """A reward's sub-scores may differ from batch to batch (here one per target, reported only when the batch holds
     that target); merging the refill rounds' logged scores raised a KeyError for a sub-score the first rollout
