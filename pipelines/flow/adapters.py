@@ -632,12 +632,13 @@ class FlowAdapter:
         prefix = f"{type(self.pipe).transformer_name}."
         _check_lora_config(file, prefix, part.peft_config["default"])
         state = {k.removeprefix(prefix): v for k, v in load_file(file).items() if k.startswith(prefix)}
-        expected = set(get_peft_model_state_dict(part))
-        if set(state) != expected:
-            missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+        targets = get_peft_model_state_dict(part)
+        if set(state) != set(targets):
+            missing, extra = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
             raise ValueError(f"LoRA weights in {file} do not match this adapter (rank/targets?): "
                              f"missing {missing[:3]}, unexpected {extra[:3]}")
-        set_peft_model_state_dict(part, state)
+        # into LoRA weights FSDP2 has sharded, each process's own part (PEFT 0.18 copies the whole tensors, and fails)
+        set_peft_model_state_dict(part, {k: placed_like(v, targets[k]) for k, v in state.items()})
 
 
 def _check_lora_targets(transformer: nn.Module, targets: list[str]) -> None:
