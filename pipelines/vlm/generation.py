@@ -112,10 +112,22 @@ def scoring_temperature(cfg: VLMGenerationConfig) -> float:
     return cfg.temperature if cfg.temperature > 0 else 1.0
 
 
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise FloatingPointError naming the rows of ``logits`` (B,V) that hold NaN or +inf (-inf is a
+    probability of 0)."""
+    bad = (~(logits < float("inf"))).any(-1).nonzero()[:, 0].tolist()  # NaN < inf is False
+    if bad:
+        raise FloatingPointError(f"the model's next-token logits are not finite in {len(bad)} of {len(logits)} rows "
+                                 f"(row {', '.join(map(str, bad[:5]))}): the forward overflowed or the weights hold "
+                                 f"NaN (float16 overflows easily: try model.dtype=bfloat16)")
+
+
 def sample_tokens(logits: torch.Tensor, suppress: torch.Tensor, cfg: VLMGenerationConfig,
                   generator: Generators) -> torch.Tensor:
     """One token per row from logits (B,V) fp32: ``suppress`` ids get -inf, then temperature (<= 0 is greedy),
-    top-k, top-p. ``generator``: one for the batch, or a list of B, one per row. Returns (B,) int64."""
+    top-k, top-p. ``generator``: one for the batch, or a list of B, one per row. Returns (B,) int64. A row
+    holding NaN or +inf is a FloatingPointError (:func:`check_finite`; greedy decoding would pick that entry)."""
+    check_finite(logits)
     logits = logits.index_fill(1, suppress, float("-inf"))
     if cfg.temperature <= 0:
         return logits.argmax(-1)

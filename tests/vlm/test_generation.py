@@ -157,6 +157,19 @@ def test_sample_tokens_filters():
     assert set(free.tolist()) == {0, 1, 2, 3, 4}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_are_a_clear_error_not_a_token(temperature, bad):
+    """Logits that overflowed (a float16 model) or hold NaN: greedy decoding would pick the NaN or inf entry as
+    its token and sampling would fail inside torch.multinomial; either stops with one line naming the rows."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0], [0.0, 1.0, 2.0, 3.0], [1.0, 0.0, 0.0, 0.0]])
+    logits[1, 0] = bad
+    cfg = VLMGenerationConfig(temperature=temperature)
+    with pytest.raises(FloatingPointError, match=r"not finite in 1 of 3 rows \(row 1\).*model\.dtype") as err:
+        sample_tokens(logits, torch.tensor([], dtype=torch.long), cfg, seeded(0))
+    assert "\n" not in str(err.value)
+
+
 @pytest.fixture(scope="module")
 def prompts(vlm, video_prompt):
     """Three prompts of different lengths (so the batch is left-padded): video + image, image, text only."""
