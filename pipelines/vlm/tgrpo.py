@@ -74,7 +74,10 @@ def shuffled_accuracy(vlm: VLMModel, prompt: str, images: list[torch.Tensor], vi
 
 
 def pass_fraction(ordered_acc: list[float], shuffled_acc: list[float], mu: float) -> float:
-    """Fraction of video groups whose ordered accuracy >= ``mu`` x shuffled accuracy (the temporal test)."""
-    if not ordered_acc:
+    """Fraction of video groups whose ordered accuracy >= ``mu`` x shuffled accuracy (the temporal test), over
+    the groups the accuracy applies to (a NaN accuracy, such as temporal grounding's, is left out, as the bonus
+    leaves them out); NaN when there are none."""
+    tested = [(o, s) for o, s in zip(ordered_acc, shuffled_acc) if not (math.isnan(o) or math.isnan(s))]
+    if not tested:
         return math.nan
-    return sum(o >= mu * s for o, s in zip(ordered_acc, shuffled_acc)) / len(ordered_acc)
+    return sum(o >= mu * s for o, s in tested) / len(tested)

@@ -194,6 +194,14 @@ def test_pass_fraction():
     assert math.isnan(tgrpo.pass_fraction([], [], 0.8))
 
 
+def test_pass_fraction_leaves_out_groups_the_accuracy_does_not_apply_to():
+    """A video group whose accuracy is NaN (e.g. temporal grounding, scored by temporal_iou) gets no bonus (NaN,
+    does not apply); it is not a group that failed the temporal test either."""
+    nan = math.nan
+    assert tgrpo.pass_fraction([1.0, nan, 0.2], [0.5, nan, 0.5], 0.8) == pytest.approx(1 / 2)
+    assert math.isnan(tgrpo.pass_fraction([nan], [nan], 0.8))
+
+
 def test_tgrpo_and_its_reward_must_agree(tmp_path):
     on = video_config(tmp_path)
     assert tgrpo.bonus_spec(on).name == "temporal_bonus"
