@@ -424,10 +424,7 @@ class VLMPolicy(Policy):
             counters.update(self.sampler.rollout_counters())
         if self.accuracy is not None:
             counters["tgrpo/video_groups"] = float(len(shuffled_acc))
-            if shuffled_acc:
-                counters["tgrpo/shuffled_acc"] = sum(shuffled_acc) / len(shuffled_acc)
-                counters["tgrpo/ordered_acc"] = sum(ordered_acc) / len(ordered_acc)
-                counters["tgrpo/pass_frac"] = tgrpo.pass_fraction(ordered_acc, shuffled_acc, cfg.tgrpo.mu)
+            counters.update(tgrpo.temporal_counters(ordered_acc, shuffled_acc, cfg.tgrpo.mu))
         group = torch.tensor(group_ids, dtype=torch.long).repeat_interleave(group_size)
         batch = RewardBatch(prompts=[p.item["prompt"] for p in prepared for _ in range(group_size)],
                             group=group, completions=texts, meta=meta)

@@ -73,11 +73,14 @@ def shuffled_accuracy(vlm: VLMModel, prompt: str, images: list[torch.Tensor], vi
     return scores.nanmean().item(), int(out.mask.sum())
 
 
-def pass_fraction(ordered_acc: list[float], shuffled_acc: list[float], mu: float) -> float:
-    """Fraction of video groups whose ordered accuracy >= ``mu`` x shuffled accuracy (the temporal test), over
-    the groups the accuracy applies to (a NaN accuracy, such as temporal grounding's, is left out, as the bonus
-    leaves them out); NaN when there are none."""
+def temporal_counters(ordered_acc: list[float], shuffled_acc: list[float], mu: float) -> dict[str, float]:
+    """``tgrpo/ordered_acc`` and ``tgrpo/shuffled_acc`` (mean accuracy of a step's video groups with ordered and
+    with shuffled frames) and ``tgrpo/pass_frac`` (fraction of them whose ordered accuracy >= ``mu`` x shuffled,
+    the temporal test), over the groups the accuracy applies to: a NaN accuracy (such as temporal grounding's)
+    gets no bonus and is left out of all three. Empty when no group is left."""
     tested = [(o, s) for o, s in zip(ordered_acc, shuffled_acc) if not (math.isnan(o) or math.isnan(s))]
     if not tested:
-        return math.nan
-    return sum(o >= mu * s for o, s in tested) / len(tested)
+        return {}
+    n = len(tested)
+    return {"tgrpo/ordered_acc": sum(o for o, _ in tested) / n, "tgrpo/shuffled_acc": sum(s for _, s in tested) / n,
+            "tgrpo/pass_frac": sum(o >= mu * s for o, s in tested) / n}

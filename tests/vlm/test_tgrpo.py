@@ -189,17 +189,20 @@ def test_shuffled_rollouts_see_shuffled_frames_and_are_scored_with_accuracy(poli
     assert torch.equal(p.inputs["input_ids"], seen["inputs"]["input_ids"])
 
 
-def test_pass_fraction():
-    assert tgrpo.pass_fraction([0.5, 0.2, 1.0], [0.5, 0.5, 0.0], 0.8) == pytest.approx(2 / 3)
-    assert math.isnan(tgrpo.pass_fraction([], [], 0.8))
+def test_temporal_counters():
+    c = tgrpo.temporal_counters([0.5, 0.2, 1.0], [0.5, 0.5, 0.0], 0.8)
+    assert c["tgrpo/pass_frac"] == pytest.approx(2 / 3)
+    assert c["tgrpo/ordered_acc"] == pytest.approx(1.7 / 3) and c["tgrpo/shuffled_acc"] == pytest.approx(1 / 3)
+    assert tgrpo.temporal_counters([], [], 0.8) == {}
 
 
-def test_pass_fraction_leaves_out_groups_the_accuracy_does_not_apply_to():
+def test_temporal_counters_leave_out_groups_the_accuracy_does_not_apply_to():
     """A video group whose accuracy is NaN (e.g. temporal grounding, scored by temporal_iou) gets no bonus (NaN,
-    does not apply); it is not a group that failed the temporal test either."""
+    does not apply); it is not a group that failed the temporal test, nor does it make the step's means NaN."""
     nan = math.nan
-    assert tgrpo.pass_fraction([1.0, nan, 0.2], [0.5, nan, 0.5], 0.8) == pytest.approx(1 / 2)
-    assert math.isnan(tgrpo.pass_fraction([nan], [nan], 0.8))
+    c = tgrpo.temporal_counters([1.0, nan, 0.2], [0.5, nan, 0.5], 0.8)
+    assert c == pytest.approx({"tgrpo/pass_frac": 1 / 2, "tgrpo/ordered_acc": 0.6, "tgrpo/shuffled_acc": 0.5})
+    assert tgrpo.temporal_counters([nan], [nan], 0.8) == {}
 
 
 def test_tgrpo_and_its_reward_must_agree(tmp_path):
