@@ -898,11 +898,13 @@ class Trainer:
         mains = {name: main[:, r] for r, name in enumerate(self.rewards.names) if name not in logged}
         columns = {"reward/mean": weighted_reward(main, self.rewards.weights),
                    **{f"reward/{name}": scores for name, scores in {**mains, **logged}.items()}}
-        local = {key: (v.double().nansum().item(), int((~v.isnan()).sum()), v.numel()) for key, v in columns.items()}
-        parts = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        local = {key: (v.double().nansum().item(), int((~v.isnan()).sum())) for key, v in columns.items()}
+        parts = gather_object([(len(main), local)]) if self.accelerator.num_processes > 1 else [(len(main), local)]
+        count = sum(n for n, _ in parts)
         out = {}
-        for key in dict.fromkeys(k for part in parts for k in part):  # a sub-score one process lacks: the others'
-            total, valid, count = (sum(part[key][i] for part in parts if key in part) for i in range(3))
+        # a sub-score that one process's rewards did not report does not apply to its samples: NaN, as in a batch
+        for key in dict.fromkeys(k for _, part in parts for k in part):
+            total, valid = (sum(part[key][i] for _, part in parts if key in part) for i in range(2))
             out[key if key == "reward/mean" else f"{key}/mean"] = total / valid if valid else math.nan
             if key != "reward/mean":
                 out[f"{key}/nan_frac"] = 1 - valid / count if count else 0.0

@@ -1,7 +1,7 @@
 """Run under ``accelerate launch`` with two processes; writes OUT.json with what the checks below found.
 
 - ``row``: the logged row of one training step of the toy bandit with a zero-weight reward that applies to half of
-  rank 0's samples (score 0) and to all of rank 1's (score 1).
+  rank 0's samples (score 0) and to all of rank 1's (score 1), with a sub-score that only rank 1 reports.
 - ``steps``: per rank, the metrics of two off-policy updates (two inner epochs) in which rank 0 trains no unit.
 - ``max_dev``: ``reduce_metrics`` of a max_dev that rank 0 could not measure (NaN) and rank 1 measured as 0.5.
 
@@ -15,12 +15,13 @@ import sys
 import torch
 
 
-def sparse(batch) -> list[float]:
-    """Rank 0: NaN for the first half of the batch, 0 for the rest; rank 1: 1 for every sample."""
+def sparse(batch) -> dict[str, list[float]]:
+    """Rank 0: NaN for the first half of the batch, 0 for the rest; rank 1: 1 for every sample, and a sub-score
+    ``extra`` of 1 that rank 0 does not report."""
     n = len(batch.completions)
     if torch.distributed.get_rank() == 1:
-        return [1.0] * n
-    return [math.nan] * (n // 2) + [0.0] * (n - n // 2)
+        return {"score": [1.0] * n, "extra": [1.0] * n}
+    return {"score": [math.nan] * (n // 2) + [0.0] * (n - n // 2)}
 
 
 if __name__ == "__main__":

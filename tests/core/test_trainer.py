@@ -709,6 +709,9 @@ def test_logged_means_are_over_the_samples_and_units_of_every_process(tmp_path, 
     row = result["row"]  # 4 samples per process; rank 0: 2 NaN and 2 zeros, rank 1: 4 ones
     assert row["reward/ddp_metrics:sparse/mean"] == pytest.approx(4 / 6)
     assert row["reward/ddp_metrics:sparse/nan_frac"] == pytest.approx(2 / 8)
+    # a sub-score that rank 0 does not report does not apply to its samples: half of all (it read 0)
+    assert row["reward/ddp_metrics:sparse/extra/mean"] == 1.0
+    assert row["reward/ddp_metrics:sparse/extra/nan_frac"] == pytest.approx(4 / 8)
     rank0, rank1 = result["steps"]  # rank 0 trains no unit: the batch's numbers are rank 1's
     assert rank1[1]["ratio/mean"] != 1.0 and rank1[1]["clip_frac"] > 0  # the second epoch is off-policy
     for key in ("ratio/mean", "clip_frac", "kl"):
