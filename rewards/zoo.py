@@ -155,6 +155,20 @@ def check_spec(name: str, args: dict[str, Any] | None, key: str) -> None:
     _check_args(obj, {k: v for k, v in args.items() if k not in ZOO_ARGS}, f"{key}.args", f"reward '{name}'")
 
 
+def distinct_names(names: Sequence[str]) -> list[str]:
+    """``names`` (the specs' reward names, in order) with the k-th repeat of a name labelled ``name#k`` (k >= 2):
+    scores, sub-scores, NaN counts and metrics are keyed by name, so a second ``vlm_judge`` (another preset) or
+    ``video_frames`` (another image reward) would otherwise hide the first."""
+    labels: list[str] = []
+    for name in names:
+        label, k = name, 1
+        while label in labels:
+            k += 1
+            label = f"{name}#{k}"
+        labels.append(label)
+    return labels
+
+
 def called_on_batches(fn: Any) -> bool:
     """Whether the plain function ``fn`` is a reward itself, called on each batch: ``fn(batch)`` or TRL's
     ``fn(prompts, completions, **kwargs)`` (any signature with ``completions``), rather than a factory called with
@@ -245,7 +259,8 @@ class RewardZoo:
             raise ValueError("no rewards configured: add at least one entry under 'rewards'")
         if max_workers is not None and max_workers < 1:
             raise ValueError(f"max_workers must be >= 1 or None; got {max_workers}")
-        self.names = [s.name for s in specs]
+        self.names = distinct_names([s.name for s in specs])
+        """Each reward's name in scores, metrics and ``only``: its spec's, with ``#2``, ``#3``... on repeats."""
         self.weights = torch.tensor([float(s.weight) for s in specs], dtype=torch.float64)
         for i, spec in enumerate(specs):  # every spec before any model loads
             check_spec(spec.name, spec.args, f"rewards.{i}")
@@ -258,7 +273,7 @@ class RewardZoo:
                 reward = build_reward(spec.name, reward_args, device)
             except (TypeError, ValueError) as err:  # a value the constructor refused (a range, a choice)
                 raise ConfigError(f"bad value in 'rewards.{i}' ({spec.name}): {one_line(err)}") from err
-            self.slots.append(_Slot(spec.name, reward, device, clip, standardize))
+            self.slots.append(_Slot(self.names[i], reward, device, clip, standardize))
         self.rewards = [slot.reward for slot in self.slots]
         self.evaluation_names = [slot.name for slot in self.slots if evaluated(slot.reward)]
         """The rewards held-out evaluation scores: all but the ``rollout_only`` and the groupwise ones."""

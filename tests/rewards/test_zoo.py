@@ -221,6 +221,20 @@ def test_bad_zoo_args_are_named(mod):
         RewardZoo([spec("Counting")], max_workers=0)
 
 
+def test_a_reward_named_twice_is_logged_apart(mod):
+    # scores, sub-scores, wall times, NaN counts and the trainer's metrics are keyed by name: the second entry of a
+    # name (vlm_judge with two presets, video_frames over two image rewards) replaced the first one's logged scores
+    zoo = RewardZoo([spec("Counting"), spec("fixed"), spec("Counting", offset=1.0), spec("fixed", clip=[2, 4])])
+    first, second = "zoo_test_rewards:Counting", "zoo_test_rewards:fixed"
+    assert zoo.names == [first, second, f"{first}#2", f"{second}#2"]
+    main, logged, seconds = zoo(batch4())
+    assert logged[first].tolist() == main[:, 0].tolist() and logged[f"{first}#2"].tolist() == (main[:, 0] + 1).tolist()
+    assert logged[f"{second}#2/score"][:3].tolist() == [1.0, 5.0, 3.0] and main[:3, 3].tolist() == [2.0, 4.0, 3.0]
+    assert set(seconds) == set(zoo.names) and zoo.nan_counts == {first: 0, second: 1, f"{first}#2": 0, f"{second}#2": 1}
+    only, logged, _ = zoo(batch4(), only=[f"{first}#2"])
+    assert only[:, 0].tolist() == (main[:, 0] + 1).tolist() and list(logged) == [f"{first}#2"]
+
+
 def test_every_spec_is_checked_before_any_reward_is_built(mod):
     mod.BUILT.clear()
     with pytest.raises(ConfigError, match="unknown key 'rewards.1.args.qualty' .*closest: 'quality'"):
