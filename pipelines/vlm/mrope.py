@@ -5,8 +5,8 @@ run of ``<|image_pad|>`` or ``<|video_pad|>`` tokens of one image or video, ``t 
 ``spatial_merge_size`` x ``spatial_merge_size`` patches) starts at the next free position ``s``: token
 ``(i, j, k)`` sits at ``(s + floor(i * interval), s + j, s + k)``. Text after the block resumes at the block's
 largest position + 1. This is the rule of Qwen's own code, transformers 4.x and vLLM; transformers 5.x's
-``get_rope_index`` resumes at ``s + max(h, w)`` instead, which overlaps the block (or leaves a gap) whenever the
-last temporal position is not below ``max(h, w) - 1``.
+``get_rope_index`` resumes at ``s + max(h, w)`` instead, which overlaps the block's temporal positions whenever the
+last one, ``floor((t - 1) * interval)``, is ``max(h, w)`` or more (the rules agree otherwise).
 """
 
 from __future__ import annotations
