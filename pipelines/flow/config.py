@@ -100,7 +100,8 @@ class FlowModeConfig:
     mixgrpo_flash, branch (BranchGRPO) or tempflow (TempFlow-GRPO). branch computes its own advantages (per-depth
     z-scores of the backed-up weighted-sum reward), so it refuses ``reward_aggregation: gdpo`` and
     ``grpo.adv_batch_norm``, and ignores ``grpo.advantage``; its rows (leaves) own different numbers of node
-    transitions, so it also refuses ``grpo.loss_aggregation: seq-mean-token-mean``."""
+    transitions, so it also refuses ``grpo.loss_aggregation: seq-mean-token-mean``, and ``grpo.adv_eps: 0`` (its
+    backed-up node rewards tie only up to rounding)."""
     train_fraction: float = ranged(0.9, low=0, high=1, low_open=True)
     """flow_grpo: fraction of the first steps that are trained. dance_grpo: fraction trained per sample."""
     window_size: int = ranged(4, low=1)

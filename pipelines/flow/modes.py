@@ -378,6 +378,7 @@ class BranchMode(RolloutMode):
             raise ConfigError(f"bad value '{m.reward_backup}' for 'mode.reward_backup': expected one of "
                               f"{', '.join(tree.BACKUP_MODES)}")
         checked("mode.width_keep", tree.width_prune, torch.zeros(1, 2), m.width_keep)
+        checked("grpo.adv_eps", tree.depthwise_advantages, [torch.zeros(1, 2)], cfg.grpo.adv_eps)
         checked({"window": "mode.depth_prune_window", "interval": "mode.depth_prune_interval"},
                 tree.depth_prune, self.branch, 0, m.depth_prune_window, m.depth_prune_interval)
         if cfg.train.group_size != self.branch.num_leaves:

@@ -153,7 +153,8 @@ def depthwise_advantages(node_rewards: Sequence[Tensor], eps: float = 1e-6) -> l
     same shapes and dtypes.
     """
     if eps <= 0:
-        raise ValueError(f"eps={eps} must be > 0")
+        raise ValueError(f"eps={eps} must be > 0: backed-up node rewards that should tie differ by rounding, "
+                         "which a zero eps turns into advantages of +-1")
     out = []
     for r in node_rewards:
         if r.ndim != 2:

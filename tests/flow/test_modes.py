@@ -184,6 +184,9 @@ def test_a_cps_window_whose_stride_skips_the_last_step_trains_one_step_at_every_
      "reward_aggregation"),  # the tree computes its own advantages
     (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4", "grpo.adv_batch_norm=true"],
      "grpo.adv_batch_norm"),
+    # per-depth z-scores of backed-up means, which tie only up to rounding: eps 0 made them +-1, and the tree's
+    # advantages refused it only after the first rollout
+    (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4", "grpo.adv_eps=0"], "grpo.adv_eps"),
     # a tree row (leaf) holds the transitions of every node it is the first leaf of, so rows hold different unit
     # counts: a per-row mean would weigh a node's transition by how many its owner holds
     (["mode.name=branch", "mode.split_points=[1,2]", "train.group_size=4",
