@@ -115,7 +115,9 @@ def decode_array(obj: Any, where: str, blob: bytes = b"") -> torch.Tensor:
     request); ``ValueError`` naming ``where`` when it is malformed."""
     try:
         dtype = np.dtype(torch.empty(0, dtype=DTYPES[obj["dtype"]]).numpy().dtype).newbyteorder("<")
-        shape = [int(s) for s in obj["shape"]]
+        shape = obj["shape"]
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+            raise ValueError(f"shape must be a list of sizes >= 0; got {shape!r}")
         count = math.prod(shape)
         if "data" in obj:
             array = np.frombuffer(base64.b64decode(obj["data"], validate=True), dtype=dtype)

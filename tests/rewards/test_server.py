@@ -140,6 +140,21 @@ def test_wire_uint8_pixels_and_malformed_requests():
         encode_request(RewardBatch(prompts=["a"], group=torch.zeros(1, dtype=torch.long), meta=[{"o": object()}]))
 
 
+@pytest.mark.parametrize("shape", [[-1], [2.5], [True, 3]])
+def test_an_array_shape_that_is_not_whole_sizes_is_refused(shape):
+    # numpy reads a negative count as "to the end": a meta array of shape [-1] took the images' bytes as its own,
+    # and a size of 2.5 read 2 elements, both without an error
+    batch = RewardBatch(prompts=["a", "b"], group=torch.zeros(2, dtype=torch.long), images=torch.rand(2, 3, 4, 4),
+                        meta=[{"frames": torch.arange(6)}, {}])
+    for binary in (True, False):
+        content_type, body = encode_request(batch, None, binary=binary)
+        head, newline, blob = body.partition(b"\n")
+        obj = json.loads(head)
+        obj["meta"][0]["frames"]["$array"]["shape"] = shape
+        with pytest.raises(ValueError, match=r"bad array in meta\[0\]\['frames'\]: .*shape"):
+            decode_request(content_type, json.dumps(obj).encode() + newline + blob)
+
+
 def test_group_chunks_keep_groups_whole():
     group = torch.tensor([0, 0, 1, 1, 2, 2, 2, 2, 3, 0])
     assert group_chunks(group, 4) == [[0, 1, 9], [2, 3], [4, 5, 6, 7], [8]]
