@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mmgrpo.pipelines.vlm.model import unwrap
+from mmgrpo.pipelines.vlm.mrope import config_positions, uses_original_rule
 
 BLOCK_MASK_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take the Prefix Grouper's 4-D block mask."""
@@ -26,7 +27,10 @@ VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
 
 def prompt_positions(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Rotary positions of one prompt: (3,1,P) int64 for M-RoPE models (temporal, height, width; text tokens have
-    all three equal), else (1,1,P). Completion token t sits at ``positions[..., -1] + 1 + t``."""
+    all three equal), else (1,1,P). Completion token t sits at ``positions[..., -1] + 1 + t``. Qwen2-VL and
+    Qwen2.5-VL follow the rule they were pre-trained with (:mod:`~mmgrpo.pipelines.vlm.mrope`) unless their config
+    names transformers' (:data:`~mmgrpo.pipelines.vlm.mrope.RULE_ATTRIBUTE`); other M-RoPE models use their own
+    ``get_rope_index``."""
     ids = inputs["input_ids"]
     core = unwrap(model)
     rope_index = getattr(getattr(core, "model", core), "get_rope_index", None)
@@ -35,6 +39,8 @@ def prompt_positions(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch
     has_vision = inputs.get("image_grid_thw") is not None or inputs.get("video_grid_thw") is not None
     if not has_vision:
         return torch.arange(ids.shape[1], device=ids.device).expand(3, 1, -1)
+    if uses_original_rule(core.config):
+        return config_positions(core.config, inputs)
     accepted = inspect.signature(rope_index).parameters
     kwargs = {k: v for k, v in inputs.items() if k in accepted and k not in ("input_ids", "attention_mask")}
     positions, _ = rope_index(ids, **kwargs)

@@ -16,6 +16,25 @@ import torch
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 """``config.model_type`` values whose positions :func:`qwen_vl_positions` computes."""
 
+RULE_ATTRIBUTE = "mmgrpo_mrope_rule"
+"""The attribute of a Qwen2-VL / Qwen2.5-VL model config (a key of its ``config.json``) that names the rule the
+checkpoint was trained under: ``original`` (the default when it is absent, as in every released checkpoint) or
+``transformers`` (the installed transformers' ``get_rope_index``: the shipped tiny demo model was fine-tuned under
+transformers 5.x's). It is saved with the checkpoints mmgrpo writes, so a model keeps its rule."""
+
+RULES = ("original", "transformers")
+
+
+def uses_original_rule(config) -> bool:
+    """Whether a model with this config takes :func:`config_positions`: a Qwen2-VL / Qwen2.5-VL whose config does
+    not name the ``transformers`` rule (:data:`RULE_ATTRIBUTE`). Another rule name is a ValueError naming it."""
+    if config.model_type not in MODEL_TYPES:
+        return False
+    rule = getattr(config, RULE_ATTRIBUTE, "original")
+    if rule not in RULES:
+        raise ValueError(f"the model config's {RULE_ATTRIBUTE} is {rule!r}; it must be one of {', '.join(RULES)}")
+    return rule == "original"
+
 
 def vision_block_positions(start: int, grid_thw: torch.Tensor, spatial_merge_size: int,
                            interval: float) -> torch.Tensor:

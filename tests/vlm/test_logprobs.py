@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mmgrpo.pipelines.vlm import bench, logprobs
+from mmgrpo.pipelines.vlm import bench, logprobs, mrope
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
 from mmgrpo.pipelines.vlm.logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from mmgrpo.pipelines.vlm.model import VLMModel
@@ -66,16 +66,21 @@ def test_prefix_grouper_equals_standard_in_logprobs_and_gradients(vlm):
 
 def plain_logits(vlm: VLMModel, prompt: dict, completion: torch.Tensor) -> torch.Tensor:
     """(n, V) fp32 logits predicting each of the n ``completion`` tokens, from ``model(**processor inputs of
-    [prompt; completion])`` with transformers' own positions."""
+    [prompt; completion])`` with the positions of the whole sequence: Qwen2-VL / Qwen2.5-VL's original rule
+    (:func:`mrope.config_positions`, which transformers 5.x's get_rope_index does not follow after a video),
+    transformers' own for other models."""
     full = {k: v for k, v in prompt.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
     full["input_ids"] = torch.cat([prompt["input_ids"], completion[None]], dim=1)
     full["mm_token_type_ids"] = torch.cat([prompt["mm_token_type_ids"],
                                            torch.zeros(1, len(completion), dtype=torch.long)], dim=1)
+    if mrope.uses_original_rule(vlm.model.config):
+        full["position_ids"] = mrope.config_positions(vlm.model.config, full)
     return vlm.model(**full).logits[0, -len(completion) - 1:-1].float()
 
 
 def test_standard_forward_matches_a_plain_transformers_forward(vlm):
-    """Each row equals ``model(**processor inputs of [prompt; completion])`` with transformers' own positions."""
+    """Each row equals ``model(**processor inputs of [prompt; completion])`` with the whole sequence's positions
+    (the prompt with a video is one where Qwen2-VL's original rule and transformers 5.x's differ)."""
     prompts, ids, mask, index = make_batch(vlm)
     with torch.no_grad():
         ours = token_logprobs(vlm.model, prompts, ids, mask, index, False)

@@ -1,17 +1,31 @@
 """Qwen2-VL / Qwen2.5-VL M-RoPE positions by the original rule (text after a vision block resumes at the block's
 largest position + 1): hand-computed references, equality with transformers' get_rope_index where its rule
-agrees, prompt_positions using the rule, and the shipped demo data unaffected."""
+agrees, prompt_positions using the rule, and a config that names transformers' rule (the shipped tiny model's)
+keeping it."""
+
+import copy
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AutoConfig
 
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
+from mmgrpo.pipelines.vlm.logprobs import prompt_positions
 from mmgrpo.pipelines.vlm.model import VLMModel
-from mmgrpo.pipelines.vlm.mrope import MODEL_TYPES, config_positions, qwen_vl_positions
+from mmgrpo.pipelines.vlm.mrope import (
+    MODEL_TYPES,
+    RULE_ATTRIBUTE,
+    config_positions,
+    qwen_vl_positions,
+    uses_original_rule,
+)
+from mmgrpo.pipelines.vlm.tiny import KINDS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parents[2]
 
 IMG, VID, TEXT = 5, 6, 1
 
@@ -130,3 +144,43 @@ def test_a_long_video_resumes_one_above_its_last_temporal_position(vlm):
     assert pos[0, 0, video].tolist() == [start + step * (i // 4) for i in range(20)]
     assert pos[:, 0, after].tolist() == [start + 4 * step + 1] * 3
     assert pos[:, 0, :start].tolist() == [list(range(start))] * 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_positions_follow_the_original_rule_on_qwen2_and_own_rope_index_elsewhere(kind):
+    """Every forward's positions (prompt_positions) on a clip where the rules differ: the original rule on
+    Qwen2-VL / Qwen2.5-VL, the model's own get_rope_index on Qwen3-VL (timestamps in the prompt)."""
+    vlm = VLMModel(VLMModelConfig(path=f"tiny:{kind}"))
+    inputs = vlm.prompt_inputs("What moves?", [], [frames(10, 56, 56)], [2.0])
+    rule_of = config_positions if kind in MODEL_TYPES else (lambda _, x: transformers_positions(vlm, x))
+    expected = rule_of(vlm.model.config, inputs)
+    assert torch.equal(prompt_positions(vlm.model, inputs), expected)
+
+
+def test_a_config_naming_the_transformers_rule_keeps_get_rope_index(vlm, tmp_path):
+    """A checkpoint trained under transformers 5.x's positions says so in its config.json (RULE_ATTRIBUTE) and
+    keeps them; the attribute survives a save and reload (checkpoints keep their rule); another name is refused."""
+    inputs = vlm.prompt_inputs("What moves?", [], [frames(10, 56, 56)], [2.0])
+    config = copy.deepcopy(vlm.model.config)
+    setattr(config, RULE_ATTRIBUTE, "transformers")
+    config.save_pretrained(tmp_path)
+    reloaded = AutoConfig.from_pretrained(tmp_path)
+    assert not uses_original_rule(reloaded) and uses_original_rule(vlm.model.config)
+    differs = not torch.equal(config_positions(vlm.model.config, inputs), transformers_positions(vlm, inputs))
+    assert differs  # a clip where the rules disagree, so the switch below is seen
+    original = vlm.model.config
+    try:
+        vlm.model.config = reloaded
+        assert torch.equal(prompt_positions(vlm.model, inputs), transformers_positions(vlm, inputs))
+        setattr(reloaded, RULE_ATTRIBUTE, "qwen3")
+        with pytest.raises(ValueError, match=f"{RULE_ATTRIBUTE} is 'qwen3'"):
+            prompt_positions(vlm.model, inputs)
+    finally:
+        vlm.model.config = original
+
+
+def test_the_shipped_tiny_model_was_trained_under_the_transformers_rule():
+    """assets/tiny-qwen2vl-shapes was SFT'd (scripts/build_tiny_vlm.py) under transformers 5.x's positions: its
+    demo clips (2x2 merged grid, 4 temporal patches) are ones where the rules differ, so it must keep them."""
+    config = AutoConfig.from_pretrained(ROOT / "assets" / "tiny-qwen2vl-shapes")
+    assert getattr(config, RULE_ATTRIBUTE) == "transformers" and not uses_original_rule(config)
