@@ -19,7 +19,8 @@ Wire format (version 2; JSON, with an optional binary part for arrays):
   batch without the server scoring it twice. Ids must be unique per batch (``remote`` sends a random UUID).
 
   ``images`` is (B, 3, H, W) and ``videos`` (B, T, 3, H, W); uint8 values mean value / 255, float values are in
-  [0, 1]. Tensors inside ``meta`` travel as ``{"$array": ARRAY}`` and arrive as tensors of the same dtype.
+  [0, 1]. Tensors inside ``meta`` travel as ``{"$array": ARRAY}`` and arrive as tensors of the same dtype; numpy
+  scalars travel as JSON numbers and booleans.
   ``ARRAY`` is ``{"dtype": "uint8" | "float16" | "float32" | "float64" | "int32" | "int64" | "bool", "shape": [...]}``
   plus where its raw C-order little-endian bytes are, in one of two body layouts:
 
@@ -37,12 +38,12 @@ Wire format (version 2; JSON, with an optional binary part for arrays):
   ``main`` is the score that enters the combination (after the config's ``clip``; ``standardize`` belongs on the
   trainer's side, which sees the whole batch, and the server refuses it), ``scores``
   every raw score and sub-score; NaN travels as null.
-- Errors are ``{"error": "one line"}`` with 400 (bad request), 401 (missing or wrong token), 404, 411/413 (no or too
-  large a body) or 500 (a reward failed; the line names it).
+- Errors are ``{"error": "one line"}`` with 400 (bad request, too deeply nested included), 401 (missing or wrong
+  token), 404, 411/413 (no or too large a body) or 500 (a reward failed; the line names it).
 
-Security: the server binds 127.0.0.1 by default. Binding any other address requires a token (read from an
-environment variable, never from the config file); it refuses to start without one. With a token, every request must
-carry ``Authorization: Bearer <token>``.
+Security: the server binds 127.0.0.1 by default (IPv6 addresses such as ``::1`` work too). Binding any address but a
+loopback one requires a token (read from an environment variable, never from the config file); it refuses to start
+without one. With a token, every request must carry ``Authorization: Bearer <token>`` (the scheme name in any case).
 
 Concurrency: requests are decoded in their connection's thread and then scored one batch at a time, in arrival
 order, by a single worker (so a client's requests are answered in the order it sent them and a reward model never
@@ -58,6 +59,7 @@ import json
 import math
 import os
 import queue
+import socket
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -155,7 +157,11 @@ def decode_pixels(obj: Any, where: str, ndim: int, blob: bytes = b"") -> torch.T
 
 
 def encode_meta(value: Any, blobs: list[bytes] | None = None, where: str = "meta") -> Any:
-    """``value`` with every tensor (or numpy array) replaced by ``{"$array": ARRAY}``; other values must be JSON."""
+    """``value`` with every tensor (or numpy array) replaced by ``{"$array": ARRAY}`` and every numpy scalar
+    (``np.int64``, ``np.float32``, ``np.bool_``...) by the equal Python value; other values must be JSON."""
+    for numpy_type, python_type in ((np.bool_, bool), (np.integer, int), (np.floating, float)):
+        if isinstance(value, numpy_type):
+            return python_type(value)
     if isinstance(value, np.ndarray):
         value = torch.from_numpy(value)
     if torch.is_tensor(value):
@@ -199,7 +205,14 @@ def encode_request(batch: RewardBatch, rewards: list[str] | None = None, encodin
 
 def decode_request(content_type: str, body: bytes) -> tuple[RewardBatch, list[str] | None, str | None]:
     """The batch, requested reward names and request id of a request body; ``ValueError`` / ``TypeError`` with one
-    line when malformed."""
+    line when malformed (nested deeper than Python's recursion limit included)."""
+    try:
+        return _decode_request(content_type, body)
+    except RecursionError:
+        raise ValueError("the request is nested too deeply") from None
+
+
+def _decode_request(content_type: str, body: bytes) -> tuple[RewardBatch, list[str] | None, str | None]:
     kind = content_type.split(";")[0].strip().lower()
     if kind == BINARY_TYPE:
         head, _, blob = body.partition(b"\n")
@@ -254,7 +267,8 @@ class ServeOptions:
     """Where and how the reward server listens (the ``server:`` section of its config; CLI flags override)."""
 
     host: str = "127.0.0.1"
-    """Address to bind. Anything but a loopback address requires a token."""
+    """Address to bind: an IPv4 or IPv6 address (``::1``, ``::``) or a host name (served over IPv4). Anything but a
+    loopback address (127.0.0.0/8, ``::1``, ``localhost``) requires a token."""
     port: int = DEFAULT_PORT
     """TCP port (0 = any free port)."""
     token_env: str = DEFAULT_TOKEN_ENV
@@ -300,6 +314,15 @@ def bearer_token(token_env: str, owner: str = "remote") -> str:
     return token
 
 
+def bearer_matches(authorization: str, token: str) -> bool:
+    """Whether an ``Authorization`` header value carries ``token`` as ``Bearer <token>``. The scheme's name is
+    case-insensitive (RFC 7235) and may be followed by several spaces; the token must be exact and is compared in
+    constant time."""
+    scheme, _, sent = authorization.partition(" ")
+    same = hmac.compare_digest(sent.lstrip(" ").encode("utf-8"), token.encode("utf-8"))
+    return scheme.lower() == "bearer" and same
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
     if host == "localhost":
@@ -308,6 +331,19 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name other than localhost may resolve anywhere
         return False
+
+
+def is_ipv6(host: str) -> bool:
+    """True for an IPv6 address (``::1``, ``::``); False for IPv4 addresses and host names, served over IPv4."""
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:8765``), as URLs write it."""
+    return f"[{host}]:{port}" if is_ipv6(host) else f"{host}:{port}"
 
 
 def check_bind(host: str, token: str | None, token_env: str) -> None:
@@ -357,8 +393,7 @@ class _Handler(BaseHTTPRequestHandler):
         token = self.server.owner.token
         if not token:
             return True
-        sent = self.headers.get("Authorization", "")
-        if hmac.compare_digest(sent.encode("utf-8"), f"Bearer {token}".encode()):
+        if bearer_matches(self.headers.get("Authorization", ""), token):
             return True
         self._refuse(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
         return False
@@ -409,6 +444,10 @@ class _HTTPServer(ThreadingHTTPServer):
     owner: RewardServer
 
 
+class _HTTPServer6(_HTTPServer):
+    address_family = socket.AF_INET6
+
+
 class RewardServer:
     """Serves a :class:`RewardZoo` over HTTP (see the module notes for the wire format and security).
 
@@ -417,7 +456,7 @@ class RewardServer:
 
     Args:
         specs: the rewards (``RewardSpec``), built once here.
-        host: address to bind; a non-loopback address requires ``token``.
+        host: address to bind, IPv4 or IPv6 (``::1``); a non-loopback address requires ``token``.
         port: TCP port; 0 picks a free one (see :attr:`url`).
         token: bearer token clients must send; None or empty = no authentication (loopback only).
         token_env: name of the variable the token came from, for the refusal message.
@@ -439,9 +478,9 @@ class RewardServer:
         self.max_request_bytes = int(max_request_mb * 2**20)
         self.zoo = RewardZoo(specs)
         try:
-            self._httpd = _HTTPServer((host, port), _Handler)
+            self._httpd = (_HTTPServer6 if is_ipv6(host) else _HTTPServer)((host, port), _Handler)
         except OSError as err:
-            raise BindError(f"reward server: cannot listen on {host}:{port}: {err.strerror or err}") from None
+            raise BindError(f"reward server: cannot listen on {host_port(host, port)}: {err.strerror or err}") from None
         self._httpd.owner = self
         self._jobs: queue.Queue = queue.Queue()
         self._recent: OrderedDict[str, Future] = OrderedDict()
@@ -452,9 +491,9 @@ class RewardServer:
 
     @property
     def url(self) -> str:
-        """``http://host:port`` the server listens on."""
+        """``http://host:port`` the server listens on (``http://[::1]:port`` for an IPv6 address)."""
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host_port(host, port)}"
 
     def health(self) -> dict[str, Any]:
         """The ``GET /health`` answer."""

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from ports import free_port
@@ -138,6 +139,35 @@ def test_wire_uint8_pixels_and_malformed_requests():
             decode_request(JSON_TYPE, json.dumps({"prompts": [], "group": [], "request_id": bad}).encode())
     with pytest.raises(ValueError, match="only JSON values and tensors"):
         encode_request(RewardBatch(prompts=["a"], group=torch.zeros(1, dtype=torch.long), meta=[{"o": object()}]))
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_numpy_scalars_in_meta_travel_as_json_values(binary):
+    """What works in-process works remotely: numpy scalars arrive as the equal Python values; what JSON cannot
+    carry (a complex number, bytes) is still refused, naming the entry and its numpy type."""
+    meta = [{"n": np.int64(3), "f": np.float32(0.5), "ok": np.bool_(True), "s": np.str_("x"),
+             "nested": [np.uint8(7), {"d": np.float64(1.25)}], "a": np.array([1, 2])}]
+    batch = RewardBatch(prompts=["a"], group=torch.zeros(1, dtype=torch.long), meta=meta)
+    got = decode_request(*encode_request(batch, binary=binary))[0].meta[0]
+    assert {k: got[k] for k in ("n", "f", "ok", "s", "nested")} == {"n": 3, "f": 0.5, "ok": True, "s": "x",
+                                                                     "nested": [7, {"d": 1.25}]}
+    assert type(got["n"]) is int and type(got["f"]) is float and type(got["ok"]) is bool
+    assert torch.equal(got["a"], torch.tensor([1, 2]))
+    for bad, name in ((np.complex128(1j), "complex128"), (np.bytes_(b"x"), "bytes_")):
+        batch.meta = [{"x": bad}]
+        with pytest.raises(ValueError, match=f"meta\\[0\\]\\['x'\\] is a {name}; only JSON values and tensors"):
+            encode_request(batch, binary=binary)
+
+
+def test_a_deeply_nested_request_is_a_400_not_a_dropped_connection():
+    deep = ("[" * 100_000 + "]" * 100_000).encode()
+    body = b'{"prompts": ' + deep + b', "group": []}'
+    with pytest.raises(ValueError, match="nested too deeply"):
+        decode_request(JSON_TYPE, body)
+    with RewardServer([RewardSpec(name="sharpness")], port=0).start() as server:
+        with pytest.raises(RemoteError, match="HTTP 400: bad request: .*nested too deeply"):
+            request_json(server.url + "/v1/score", body=body, retries=0)
+        assert request_json(server.url + "/health")["status"] == "ok"
 
 
 @pytest.mark.parametrize("shape", [[-1], [2.5], [True, 3]])
@@ -371,6 +401,16 @@ def test_loopback_addresses():
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.10", "example.com"))
 
 
+def test_serves_on_ipv6_loopback():
+    """``::1`` counts as loopback, so the server must really listen there (an IPv6 socket) and name itself with a
+    bracketed URL that the remote reward can reach."""
+    batch = image_batch(2)
+    with RewardServer([RewardSpec(name="sharpness")], host="::1", port=0).start() as server:
+        assert server.url.startswith("http://[::1]:")
+        assert request_json(server.url + "/health")["status"] == "ok"
+        assert torch.equal(RemoteReward(server.url)(batch), RewardZoo([RewardSpec(name="sharpness")])(batch)[0][:, 0])
+
+
 def test_refuses_other_addresses_without_a_token_before_binding(monkeypatch, tmp_path):
     def no_bind(*args, **kwargs):
         raise AssertionError("the server bound a socket")
@@ -423,6 +463,16 @@ def test_token_is_required_when_set(monkeypatch):
         monkeypatch.setenv("MMGRPO_TEST_TOKEN", "s3cret")
         assert RemoteReward(server.url, token_env="MMGRPO_TEST_TOKEN")(batch).shape == (2,)
         assert request_json(server.url + "/health", headers={"Authorization": "Bearer s3cret"})["status"] == "ok"
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_the_token_exact():
+    """RFC 7235: the auth scheme's name is case-insensitive; the token itself is compared exactly."""
+    with RewardServer([RewardSpec(name="sharpness")], port=0, token="s3cret").start() as server:
+        for scheme in ("bearer", "BEARER", "bEaReR"):
+            assert request_json(server.url + "/health", headers={"Authorization": f"{scheme} s3cret"})["status"] == "ok"
+        for header in ("bearer S3CRET", "Bearer s3cret ", "Basic s3cret", "Bearers3cret", "s3cret"):
+            with pytest.raises(RemoteError, match="HTTP 401"):
+                request_json(server.url + "/health", headers={"Authorization": header}, retries=0)
 
 
 # ---------------------------------------------------------------------------------------------------- config, CLI
