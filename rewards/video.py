@@ -35,6 +35,18 @@ def sample_frame_indices(num_frames: int, frames: int | None) -> torch.Tensor:
     return torch.linspace(0, num_frames - 1, frames, dtype=torch.float64).round().long()
 
 
+def frame_count(frames: Any, reward: str, minimum: int) -> int | None:
+    """The ``frames`` argument of ``reward`` as an int (a whole float such as YAML's ``8.0`` included) or None;
+    ``ValueError`` naming it for a fraction, a non-number or a count below ``minimum``."""
+    if frames is None:
+        return None
+    if isinstance(frames, bool) or not isinstance(frames, (int, float)) or not float(frames).is_integer():
+        raise ValueError(f"{reward}: frames must be a whole number of frames or None; got {frames!r}")
+    if frames < minimum:
+        raise ValueError(f"{reward}: frames must be >= {minimum} (or None for all); got {frames}")
+    return int(frames)
+
+
 def videos_or_raise(batch: RewardBatch, reward: str) -> torch.Tensor:
     """The batch's videos as (B, T, 3, H, W) float32 RGB in [0, 1]; ``ValueError`` naming ``reward`` if none."""
     if batch.videos is None:
@@ -80,8 +92,7 @@ class VideoFrames(Reward):
                  frames: int | None = 8, reduce: str = "mean"):
         if reduce not in REDUCTIONS:
             raise ValueError(f"video_frames: reduce must be one of {REDUCTIONS}; got '{reduce}'")
-        if frames is not None and int(frames) < 1:
-            raise ValueError(f"video_frames: frames must be >= 1 or None; got {frames}")
+        frames = frame_count(frames, "video_frames", 1)
         if isinstance(image_reward, Reward):
             if image_reward_args:
                 raise ValueError("video_frames: image_reward_args need image_reward given by name")
@@ -94,7 +105,7 @@ class VideoFrames(Reward):
             raise ValueError(f"video_frames: '{image_reward}' is a {self.inner.modality} reward, not an image reward")
         if getattr(self.inner, "kind", POINTWISE) == GROUPWISE:
             raise ValueError(f"video_frames: '{image_reward}' is groupwise; only pointwise image rewards apply")
-        self.frames = None if frames is None else int(frames)
+        self.frames = frames
         self.reduce = reduce
 
     def to(self, device: str | torch.device) -> VideoFrames:
@@ -162,12 +173,10 @@ class TemporalConsistency(Reward):
         if formula not in CONSISTENCY_FORMULAS:
             raise ValueError(f"temporal_consistency: formula must be one of {CONSISTENCY_FORMULAS}; got {formula!r}")
         self.formula = formula
-        if frames is not None and frames < 2:
-            raise ValueError(f"temporal_consistency: frames must be >= 2 (or None for all); got {frames}")
+        self.frames = frame_count(frames, "temporal_consistency", 2)
         self.batch_size = int(batch_size)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype)
-        self.frames = None if frames is None else int(frames)
         self.model, _ = load_open_clip(model_name, pretrained, self.device, quick_gelu, "temporal_consistency")
         self.model.to(self.dtype)
         self.preprocess = ClipPreprocess.from_open_clip(self.model)
@@ -250,8 +259,7 @@ class Motion(Reward):
 
     def __init__(self, frames: int | None = 16, max_side: int = 64, saturate_at: float | None = None,
                  ignore_brightness: bool = True):
-        if frames is not None and frames < 2:
-            raise ValueError(f"motion: frames must be >= 2 (or None for all); got {frames}")
+        frames = frame_count(frames, "motion", 2)
         if max_side < 1:
             raise ValueError(f"motion: max_side must be >= 1 pixel; got {max_side}")
         if saturate_at is not None and saturate_at <= 0:

@@ -279,6 +279,21 @@ def test_motion_checks_its_inputs():
         build_reward("motion", {"saturate_at": 0})
 
 
+def test_a_whole_float_frame_count_from_yaml_is_accepted_and_a_fraction_refused():
+    """YAML may give ``frames: 8.0``: it samples as 8 does; 8.5 is refused by name rather than truncated."""
+    batch = video_batch(random_videos(2, 12, 16, 16, seed=3), PROMPTS[:2])
+    torch.testing.assert_close(build_reward("motion", {"frames": 8.0})(batch),
+                               build_reward("motion", {"frames": 8})(batch), rtol=0, atol=0)
+    recorder = build_reward("video_frames", {"image_reward": Recorder(), "frames": 4.0})
+    recorder(batch)
+    assert len(recorder.inner.calls[-1]) == 8  # 2 videos x 4 frames
+    for name in ("motion", "video_frames", "temporal_consistency"):
+        args = {"image_reward": Recorder()} if name == "video_frames" else {}
+        for bad in (8.5, float("nan"), float("inf"), "8", True):
+            with pytest.raises(ValueError, match=f"^{name}: frames must be a whole number of frames or None; got"):
+                build_reward(name, {**args, "frames": bad})
+
+
 def test_frame_consistency_formulas_against_their_closed_forms():
     """Unit embeddings at angles 0, 60, 120 degrees: adjacent pairs have cos 1/2 each; VBench's score of frame 1 is
     (1/2 + 1/2) / 2 and of frame 2 (1/2 + max(0, -1/2)) / 2, so its mean is (1/2 + 1/4) / 2."""
