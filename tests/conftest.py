@@ -71,3 +71,15 @@ def train_on_two_processes(launch_two_processes, tmp_path):
                                     "train.save_every=0", *overrides)
 
     return run
+
+
+@pytest.fixture
+def one_process_group():
+    """A one-process gloo group for a test (FSDP2's ``fully_shard`` needs one); skipped if one is already up."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this test process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -7,25 +7,13 @@ from __future__ import annotations
 import json
 
 import diffusers
-import pytest
 import torch
-import torch.distributed as dist
-from ports import free_port
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from mmgrpo.pipelines.flow.adapters import _save_full, load_adapter, load_full
 from mmgrpo.pipelines.flow.config import FlowModelConfig
-
-
-@pytest.fixture
-def one_process_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this test process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def small_sd3() -> diffusers.SD3Transformer2DModel:

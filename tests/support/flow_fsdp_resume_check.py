@@ -20,24 +20,19 @@ the resumed run holds) and ``class_name`` (that folder's config ``_class_name``)
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from omegaconf import OmegaConf
+from fsdp2 import fsdp2_trainer, write_report_and_exit
 from random_flow import RANDOM_TINY_SD3
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from mmgrpo.config import load_config
 from mmgrpo.pipelines.flow.adapters import LORA_WEIGHT_NAME, load_adapter
-from mmgrpo.trainer import Trainer, make_accelerator
 
 out_path, root = sys.argv[1], Path(sys.argv[2])
-STATE_DICT_TYPE = OmegaConf.load("configs/accelerate/fsdp.yaml").fsdp_config.fsdp_state_dict_type
 KINDS = {"full": ["model.lora_rank=0"], "lora": ["model.lora_rank=4", "model.lora_alpha=8"]}
 WEIGHTS = {"full": "transformer/diffusion_pytorch_model.safetensors", "lora": LORA_WEIGHT_NAME}
 
@@ -50,17 +45,6 @@ def config(run: str, kind: str, *overrides: str):
         *overrides])
 
 
-def fsdp2_trainer(cfg) -> Trainer:
-    """A Trainer on an accelerator whose distributed type is FSDP (FSDP2), as a GPU launch of fsdp.yaml makes it."""
-    acc = make_accelerator(cfg)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            reshard_after_forward=True, state_dict_type=STATE_DICT_TYPE)
-    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
-        shared["distributed_type"] = DistributedType.FSDP
-    AcceleratorState._shared_state["fsdp_plugin"] = plugin
-    trainer = Trainer(cfg, accelerator=acc)
-    assert trainer.accelerator.is_fsdp2
-    return trainer
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -107,12 +91,4 @@ for kind in KINDS:
         entry["step2_change"] = max_diff(second, before)
     report[kind] = entry
     acc.wait_for_everyone()
-if acc.is_main_process:
-    with open(out_path, "w") as f:
-        json.dump(report, f)
-acc.wait_for_everyone()
-# Leave without tearing down, as the other FSDP checks do: under load a sharded gloo group's threads can abort the
-# interpreter's exit ("terminate called without an active exception") after the report is written.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+write_report_and_exit(acc, report, out_path)

@@ -14,12 +14,11 @@ OUT.json (main process): ``sharded`` (the parameters are DTensors), and per pres
 rollout on each process (``forwards``: [process][rollout]) and whether every rollout gave finite latents.
 """
 
-import json
-import os
 import sys
 
 import torch
 from accelerate import Accelerator
+from fsdp2 import write_report_and_exit
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -66,12 +65,4 @@ for preset, overrides in PRESETS.items():
         finite &= bool(torch.isfinite(rollout.reward_batch.images).all())
     report[preset] = {"forwards": acc.gather_for_metrics([forwards], use_gather_object=True),
                       "finite": all(acc.gather_for_metrics([finite], use_gather_object=True))}
-if acc.is_main_process:
-    with open(out_path, "w") as f:
-        json.dump(report, f)
-acc.wait_for_everyone()
-# Leave without tearing down, as the other FSDP checks do: under load a sharded gloo group's threads can abort the
-# interpreter's exit ("terminate called without an active exception") after the report is written.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+write_report_and_exit(acc, report, out_path)

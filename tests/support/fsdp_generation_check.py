@@ -22,12 +22,11 @@ OUT.json (main process), per process:
 plus ``sharded`` (the parameters are DTensors after sharding).
 """
 
-import json
-import os
 import sys
 
 import torch
 from accelerate import Accelerator
+from fsdp2 import write_report_and_exit
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -111,12 +110,4 @@ report = {"forwards": calls, "forwards_alone": alone, "same_as_unsharded": same_
           "tgrpo_video_groups": tgrpo_video_groups}
 reports = [None] * acc.num_processes
 torch.distributed.all_gather_object(reports, report)
-if acc.is_main_process:
-    with open(out_path, "w") as f:
-        json.dump({"processes": reports, "sharded": sharded_before}, f)
-acc.wait_for_everyone()
-# Leave without tearing down: the report is written and closed, and under load a sharded gloo group's threads can
-# abort the interpreter's exit ("terminate called without an active exception") after every check has passed.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+write_report_and_exit(acc, {"processes": reports, "sharded": sharded_before}, out_path)

@@ -15,12 +15,11 @@ DTensors), and per process ``tower_calls`` (real and dummy tower calls of the tr
 ``grad_diff`` (max abs difference of the gathered gradients from the mean of both processes' unsharded gradients).
 """
 
-import json
-import os
 import sys
 
 import torch
 from accelerate import Accelerator
+from fsdp2 import write_report_and_exit
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -102,12 +101,4 @@ report["prefill_diff"] = float((logits - expected_prefill).abs().max())
 
 reports = [None] * acc.num_processes
 torch.distributed.all_gather_object(reports, report)
-if acc.is_main_process:
-    with open(out_path, "w") as f:
-        json.dump({"calls": calls, "sharded": sharded, "processes": reports}, f)
-acc.wait_for_everyone()
-# Leave without tearing down: the report is written and closed, and under load a sharded gloo group's threads can
-# abort the interpreter's exit ("terminate called without an active exception") after every check has passed.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+write_report_and_exit(acc, {"calls": calls, "sharded": sharded, "processes": reports}, out_path)

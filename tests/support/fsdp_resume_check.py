@@ -16,23 +16,17 @@ ones loaded unsharded from its policy folder), ``rows`` (the straight and the re
 the straight run's step-2 checkpoint).
 """
 
-import json
-import os
 import sys
 from pathlib import Path
 
-from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from omegaconf import OmegaConf
+from fsdp2 import fsdp2_trainer, write_report_and_exit
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from mmgrpo.config import load_config
 from mmgrpo.pipelines.vlm.model import VLMModel
-from mmgrpo.trainer import Trainer, make_accelerator
 
 out_path, root = sys.argv[1], Path(sys.argv[2])
-STATE_DICT_TYPE = OmegaConf.load("configs/accelerate/fsdp.yaml").fsdp_config.fsdp_state_dict_type
 
 
 def config(run: str, *overrides: str):
@@ -42,17 +36,6 @@ def config(run: str, *overrides: str):
         "logging.progress=false", "logging.plot_every=0", *overrides])
 
 
-def fsdp2_trainer(cfg) -> Trainer:
-    """A Trainer on an accelerator whose distributed type is FSDP (FSDP2), as a GPU launch of fsdp.yaml makes it."""
-    acc = make_accelerator(cfg)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            reshard_after_forward=True, state_dict_type=STATE_DICT_TYPE)
-    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
-        shared["distributed_type"] = DistributedType.FSDP
-    AcceleratorState._shared_state["fsdp_plugin"] = plugin
-    trainer = Trainer(cfg, accelerator=acc)
-    assert trainer.accelerator.is_fsdp2
-    return trainer
 
 
 straight = fsdp2_trainer(config("straight"))
@@ -70,17 +53,11 @@ expected = dict(saved.model.named_parameters())
 loaded_max_diff = max((p.full_tensor() - expected[name]).abs().max().item()
                       for name, p in resumed.policy.model.named_parameters())
 rows.append(resumed.train()[-1:])  # loads step 1 again, as any resume does, and trains step 2
+report = {}
 if acc.is_main_process:
     first, second = (load_file(root / run / "checkpoints" / "step-2" / "policy" / "model.safetensors")
                      for run in ("straight", "resumed"))
-    step2_max_diff = max((first[k] - second[k]).abs().max().item() for k in first)
-    with open(out_path, "w") as f:
-        json.dump({"sharded": sharded, "loaded_max_diff": loaded_max_diff, "rows": rows,
-                   "step2_max_diff": step2_max_diff, "checkpoint": sorted(
-                       f.name for f in (root / "straight" / "checkpoints" / "step-2").iterdir())}, f)
-acc.wait_for_everyone()
-# Leave without tearing down: the report is written and closed, and under load a sharded gloo group's threads can
-# abort the interpreter's exit ("terminate called without an active exception") after every check has passed.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+    report = {"sharded": sharded, "loaded_max_diff": loaded_max_diff, "rows": rows,
+              "step2_max_diff": max((first[k] - second[k]).abs().max().item() for k in first),
+              "checkpoint": sorted(f.name for f in (root / "straight" / "checkpoints" / "step-2").iterdir())}
+write_report_and_exit(acc, report, out_path)

@@ -1,24 +1,12 @@
 """whole_weights on a one-process FSDP2 model: gathered inside the block, sharded again after it, and afterwards the
 root keeps its weights after forward while the inner modules reshard (FSDP2's rule, which the block restores)."""
 
-import pytest
 import torch
-import torch.distributed as dist
-from ports import free_port
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from mmgrpo.pipelines.vlm.whole_weights import outermost, sharded_modules, whole_weights
-
-
-@pytest.fixture
-def one_process_group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this test process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class Tower(nn.Module):
