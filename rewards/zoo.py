@@ -103,12 +103,14 @@ def evaluated(reward: Reward) -> bool:
 
 
 def standardize_scores(scores: torch.Tensor) -> torch.Tensor:
-    """``scores`` (B,) z-scored over the non-NaN entries (population std; a constant batch becomes zeros). NaN
-    stays NaN."""
+    """``scores`` (B,) z-scored over the non-NaN entries (population std; a constant batch becomes exact zeros). NaN
+    stays NaN. The scores are first shifted by one of them, which is exact for equal values (their floating-point
+    mean need not be) and keeps the mean's rounding small for scores far from 0."""
     finite = scores[~scores.isnan()]
     if not finite.numel():
         return scores
-    return (scores - finite.mean()) / (finite.std(unbiased=False) + STD_EPS)
+    shifted, finite = scores - finite[0], finite - finite[0]
+    return (shifted - finite.mean()) / (finite.std(unbiased=False) + STD_EPS)
 
 
 @dataclasses.dataclass

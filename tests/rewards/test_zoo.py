@@ -208,6 +208,24 @@ def test_standardize_scores_edge_cases():
     assert nan.isnan().all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("value", [0.1, 0.7, 1e6 + 0.1])
+def test_a_constant_batch_standardizes_to_exact_zeros(value, dtype):
+    """The mean of equal values is not always that value in floating point (0.1 x 7 in float32 came out -0.43
+    after dividing by the epsilon); equal scores must still become exactly 0, NaN staying NaN."""
+    scores = torch.full((7,), value, dtype=dtype)
+    scores[2] = math.nan
+    out = standardize_scores(scores)
+    assert out[2].isnan() and out[[0, 1, 3, 4, 5, 6]].tolist() == [0.0] * 6
+
+
+def test_standardize_scores_z_scores_a_batch_far_from_zero():
+    scores = torch.tensor([1e6 + 1, 1e6 + 2, math.nan, 1e6 + 3], dtype=torch.float64)
+    out = standardize_scores(scores)
+    expected = math.sqrt(1.5)  # (x - mean) / population std of [1, 2, 3]
+    assert out[[0, 1, 3]].tolist() == pytest.approx([-expected, 0.0, expected], abs=1e-7) and out[2].isnan()
+
+
 def test_bad_zoo_args_are_named(mod):
     with pytest.raises(ConfigError, match=r"bad value for 'rewards.0.args.clip': must be \[lo, hi\] with lo <= hi"):
         RewardZoo([spec("Counting", clip=[3, 1])])
