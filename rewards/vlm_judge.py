@@ -354,10 +354,11 @@ def backend_class(name: str) -> type:
 def judge_frame_indices(total: int, input_fps: float, fps: float, max_frames: int) -> torch.Tensor:
     """(F,) int64 indices of the frames a judge sees of a clip of ``total`` frames at ``input_fps``: resampled to
     ``fps`` (evenly spaced), at most ``max_frames``, an even count of at least 2 (Qwen2-VL encodes frames in pairs;
-    a single frame is repeated)."""
+    a single frame is repeated). The count ``total / input_fps * fps`` is floored to even, as qwen-vl-utils'
+    ``smart_nframes`` does (its ``min_frames`` of 4 aside)."""
     if total < 2:
         return torch.zeros(2, dtype=torch.long)
-    count = max(2, min(round(total / input_fps * fps), max_frames, total))
+    count = max(2, min(math.floor(total / input_fps * fps), max_frames, total))
     return sample_frame_indices(total, count - count % 2)
 
 

@@ -169,6 +169,17 @@ def test_judge_frames_resample_to_the_judge_fps():
     assert judge_frame_indices(1, 30.0, 2.0, 16).tolist() == [0, 0]  # one frame is repeated
 
 
+@pytest.mark.parametrize(("total", "input_fps", "fps", "count"), [
+    (16, 8.0, 1.9, 2),  # 3.8 frames -> 2 (rounding first gave 4)
+    (28, 10.0, 2.0, 4),  # 5.6 -> 4 (rounding first gave 6)
+    (30, 10.0, 1.7, 4),  # 5.1 -> 4
+    (20, 10.0, 3.0, 6),  # 6.0 -> 6
+])
+def test_judge_frame_count_floors_to_even_as_qwen_vl_utils(total, input_fps, fps, count):
+    """qwen-vl-utils ``smart_nframes`` (0.0.14) floors total / video_fps * fps straight to an even count."""
+    assert len(judge_frame_indices(total, input_fps, fps, 16)) == count
+
+
 class RecordingBackend:
     """A judge backend that answers a fixed rating and keeps the video metadata it was given."""
 
