@@ -119,8 +119,9 @@ def classify_shape(crop: np.ndarray) -> str | None:
 def detect_objects(images: torch.Tensor) -> tuple[list[list[dict]], torch.Tensor]:
     """Objects and stray-pixel fraction of (B, 3, H, W) images in [0, 1].
 
-    Returns, per image, a list of objects (``colour``, ``shape`` (None: unknown), ``size``, ``x``, ``y`` (box centre),
-    all in fractions of the image width, ``area`` in pixels, ``border``: touches the border), largest first; and a
+    Returns, per image, a list of objects (``colour``, ``shape`` (None: unknown), ``size`` and ``x`` (box centre) in
+    fractions of the image width, ``y`` (box centre) in fractions of its height, ``area`` in pixels, ``border``:
+    touches the border), largest first; and a
     (B,) tensor of stray-pixel fractions (on the CPU: the components are found with scipy, whatever the images'
     device)."""
     images = as_rgb_images(images).detach().cpu()
@@ -149,7 +150,7 @@ def detect_objects(images: torch.Tensor) -> tuple[list[list[dict]], torch.Tensor
             rows, cols = np.nonzero(mask)
             r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
             objects.append({"colour": colour, "shape": classify_shape(mask[r0:r1, c0:c1]),
-                            "size": max(r1 - r0, c1 - c0) / w, "x": (c0 + c1) / 2 / w, "y": (r0 + r1) / 2 / w,
+                            "size": max(r1 - r0, c1 - c0) / w, "x": (c0 + c1) / 2 / w, "y": (r0 + r1) / 2 / h,
                             "area": area, "border": bool(r0 == 0 or c0 == 0 or r1 == h or c1 == w)})
         near = F.max_pool2d(torch.from_numpy(object_pixels)[None, None].float(), 2 * band + 1, 1, band)[0, 0] > 0
         stray.append(float((~background[i] & ~near).float().mean()))
@@ -313,13 +314,15 @@ def wasserstein_1d(a: np.ndarray, b: np.ndarray) -> float:
 def size_position_distance(images: torch.Tensor, meta: list[dict], data_stats: dict[str, np.ndarray]) -> float:
     """Mean of the 1-D Wasserstein distances, in pixels of these images, between the sizes, box-centre x and
     box-centre y of the detected objects of the prompted colours and those of the data (``data_stats`` of the
-    task, in fractions of the side). NaN when no such object is found."""
+    task, in fractions of the side): size and x in pixels of the width, y of the height. NaN when no such object is
+    found."""
     detections, _ = detect_objects(images)
-    width = images.shape[-1]
+    height, width = images.shape[-2:]
     found = [o for objs, m in zip(detections, meta, strict=True) for o in objs
              if o["colour"] in {x["colour"] for x in m["objects"]} and np.isfinite(o["size"])]
     if not found:
         return float("nan")
-    distances = [wasserstein_1d([o[k] for o in found], data_stats[k]) for k in ("size", "x", "y")]
-    return float(np.mean(distances) * width)
+    distances = [wasserstein_1d([o[k] for o in found], data_stats[k]) * side
+                 for k, side in (("size", width), ("x", width), ("y", height))]
+    return float(np.mean(distances))
 

@@ -6,6 +6,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import torchvision.transforms.functional as TF
 
 from mmgrpo.registry import REWARDS, TASKS
@@ -128,6 +129,22 @@ def test_detect_objects_reports_geometry():
         assert found[obj["colour"]]["shape"] == obj["shape"]
         assert found[obj["colour"]]["size"] == pytest.approx(obj["size"], abs=1.5 / 64)
         assert found[obj["colour"]]["x"] == pytest.approx(obj["x"], abs=1 / 64)
+
+
+def test_positions_of_a_non_square_image_are_fractions_of_their_own_axis():
+    """A 64 px render stretched to 96 px wide keeps every object's x and y as fractions of the width and the height,
+    so its positions compare with the data's (fractions of the side); y was a fraction of the width."""
+    spec = parse_prompt("a blue circle above a red square")
+    scenes = [sample_scene(spec, seed) for seed in range(4)]
+    wide = F.interpolate(torch.from_numpy(np.stack([draw(s) for s in scenes])), size=(64, 96), mode="nearest")
+    objects, _ = detect_objects(wide)
+    for found, scene in zip(objects, scenes):
+        by_colour = {o["colour"]: o for o in found}
+        for obj in scene:
+            assert by_colour[obj["colour"]]["x"] == pytest.approx(obj["x"], abs=1 / 64)
+            assert by_colour[obj["colour"]]["y"] == pytest.approx(obj["y"], abs=1 / 64)
+    stats = {k: np.array([o[k] for s in scenes for o in s]) for k in ("size", "x", "y")}
+    assert size_position_distance(wide, [spec] * 4, stats) < 1.0  # pixels
 
 
 def test_diversity():
