@@ -50,6 +50,9 @@ from mmgrpo.registry import MODEL_ADAPTERS, RegistryError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Accepted values of ``model.dtype``."""
 
+MIXED_PRECISION = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+"""accelerate's mixed precision name of each half-precision autocast dtype."""
+
 LORA_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 """File name diffusers' ``save_lora_weights`` writes and ``load_lora_weights`` reads by default."""
 
@@ -63,6 +66,21 @@ class AttentionFallbackWarning(RuntimeWarning):
 
 _warned: set[tuple[str, str]] = set()
 """(backend, reason) pairs already warned about in this process: each fallback is reported once."""
+
+
+def check_autocast(model_dtype: str, autocast: torch.dtype | None) -> None:
+    """ConfigError when weights in ``model_dtype`` (a key of :data:`DTYPES`) cannot run under ``autocast``, the
+    dtype forwards autocast to (None: no autocast). torch's autocast rejects float16 and bfloat16 inputs mixed in one
+    op it promotes ("Unexpected floating ScalarType in at::autocast::prioritize"), such as a ``torch.cat`` of text
+    embeddings or the transformers' own ops, so half weights under the other half type fail in the first rollout.
+    float32 weights run under either; half weights run without autocast or under their own dtype, where the
+    transformer's output, and so the unconditional velocity a rollout stores in the model dtype, is exact."""
+    weights = DTYPES[model_dtype]
+    if autocast in MIXED_PRECISION and weights in MIXED_PRECISION and autocast != weights:
+        raise ConfigError(f"bad value for 'model.dtype': {model_dtype} cannot run under {MIXED_PRECISION[autocast]} "
+                          "mixed precision (train.mixed_precision or the launcher's; torch's autocast rejects float16 "
+                          f"and bfloat16 inputs in one op): use model.dtype {str(autocast).removeprefix('torch.')} or "
+                          f"float32, or mixed precision {MIXED_PRECISION[weights]} or no")
 
 
 # ----------------------------------------------------------------------------------------------------------------

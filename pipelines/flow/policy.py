@@ -51,7 +51,7 @@ from mmgrpo.policy import (
 from mmgrpo.rewards import RewardBatch
 
 from . import kernels, media, schedules, tree
-from .adapters import WanExperts, load_adapter
+from .adapters import WanExperts, check_autocast, load_adapter
 from .config import FlowConfig
 from .data import prompt_datasets
 from .modes import LinearPlan, TreePlan, build_mode, checked, sde_kernel
@@ -114,9 +114,14 @@ class FlowPolicy(Policy):
         return self.kernel(zeros, zeros, self.sigmas[:t], self.sigmas[1:t + 1], noise=zeros).std
 
     def setup(self, accelerator: Any) -> None:
-        """Under sharded weights, a two-expert Wan2.2 model runs on every process the experts any process needs
+        """Refuses ``model.dtype`` under an autocast it cannot run in (:func:`check_autocast`). Under sharded
+        weights, a two-expert Wan2.2 model runs on every process the experts any process needs
         (:attr:`WanExperts.synced`): a DanceGRPO replay can need both on one process and one on another."""
         super().setup(accelerator)
+        device = accelerator.device.type
+        with accelerator.autocast():
+            check_autocast(self.cfg.model.dtype,
+                           torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
         if self.sharded and isinstance(self.adapter.transformer, WanExperts):
             self.adapter.transformer.synced = any_process
 
@@ -349,8 +354,9 @@ class FlowPolicy(Policy):
 
     def _unit_store(self, n: int, u: int, x: Tensor, keep_uncond: bool) -> dict[str, Tensor]:
         """Empty per-unit storage for n rows x u units of latents shaped like ``x`` (., ...). ``keep_uncond``
-        adds ``v_uncond``, the unconditional CFG velocity at each unit in the model dtype (the dtype it comes out
-        of the transformer in, so the fp32 value is kept exactly): the first update reuses it."""
+        adds ``v_uncond``, the unconditional CFG velocity at each unit in the model dtype, which the first update
+        reuses: the fp32 value is kept exactly, as the transformer's output is in the model dtype (half weights run
+        without autocast or under their own dtype, :func:`check_autocast`) or fp32 weights' is stored in fp32."""
         latents = {"dtype": self.latent_dtype, "device": self.device}
         floats = {"dtype": torch.float32, "device": self.device}
         shape = (n, u, *x.shape[1:])

@@ -18,6 +18,7 @@ from mmgrpo.pipelines.flow.adapters import (
     PromptEmbeds,
     SD3Adapter,
     WanAdapter,
+    check_autocast,
     load_adapter,
 )
 from mmgrpo.pipelines.flow.config import FlowModelConfig
@@ -575,3 +576,15 @@ def test_a_full_fine_tune_is_loaded_shard_by_shard_without_a_second_model(tmp_pa
         adapters_module.load_full(tmp_path / "small", model)
     with pytest.raises(FileNotFoundError, match="no diffusion_pytorch_model.safetensors"):
         adapters_module.load_full(tmp_path / "nothing", model)
+
+
+@pytest.mark.parametrize("model_dtype, autocast, refused", [
+    ("float16", torch.bfloat16, True), ("bfloat16", torch.float16, True),
+    ("float16", torch.float16, False), ("bfloat16", torch.bfloat16, False), ("bfloat16", None, False),
+    ("float32", torch.float16, False), ("float32", torch.bfloat16, False)])
+def test_check_autocast_refuses_only_half_weights_under_the_other_half_type(model_dtype, autocast, refused):
+    if refused:
+        with pytest.raises(ConfigError, match=rf"^bad value for 'model.dtype': {model_dtype} cannot run under "):
+            check_autocast(model_dtype, autocast)
+    else:
+        check_autocast(model_dtype, autocast)

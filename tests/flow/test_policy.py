@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 from random_flow import RANDOM_TINY_SD3
 
 from mmgrpo.config import ConfigError, load_config
@@ -14,7 +15,7 @@ from mmgrpo.grpo.losses import aggregation_weights
 from mmgrpo.pipelines.flow.data import prompt_datasets
 from mmgrpo.pipelines.flow.modes import LinearPlan
 from mmgrpo.pipelines.flow.policy import STATE_FILE, FlowPolicy
-from mmgrpo.trainer import Trainer
+from mmgrpo.trainer import Trainer, make_accelerator
 
 SMALL = ["sampling.num_steps=4", "sampling.eval_num_steps=3", "train.group_size=4",
          "train.micro_batch_size=2", "train.max_steps=1", "train.eval_every=0", "train.save_every=0",
@@ -568,3 +569,44 @@ def test_sharded_rollouts_run_the_same_forwards_on_every_process(launch_two_proc
     for preset in ("tiny_dancegrpo", "tiny_tempflow"):
         first, second = report[preset]["forwards"]
         assert first == second and min(first) > 0 and report[preset]["finite"], (preset, first, second)
+
+
+@pytest.fixture
+def own_accelerator_state():
+    """Accelerate keeps one process-wide state whose mixed precision cannot change once set: cleared before and after
+    a test that sets its own."""
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
+def precision_trainer(tmp_path, dtype, mixed_precision):
+    """A trainer of the tiny SD3 with ``model.dtype=dtype`` under accelerate's ``mixed_precision`` autocast. On CPU
+    accelerate leaves fp16 autocast off; it is turned on here (with torch's CPU loss scaler), as a GPU run has it."""
+    cfg = config("tiny_flowgrpo", tmp_path, f"model.dtype={dtype}", f"train.mixed_precision={mixed_precision}")
+    acc = make_accelerator(cfg)
+    if mixed_precision == "fp16":
+        acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
+    return Trainer(cfg, policy=FlowPolicy(cfg), accelerator=acc)
+
+
+@pytest.mark.usefixtures("own_accelerator_state")
+@pytest.mark.parametrize("dtype, mixed_precision", [("float32", "bf16"), ("float32", "fp16"), ("bfloat16", "bf16"),
+                                                    ("float16", "fp16")])
+def test_first_ratio_is_exactly_one_under_mixed_precision(dtype, mixed_precision, tmp_path):
+    """The stored unconditional velocities (model dtype: the transformer's output dtype here, or fp32 weights')
+    are bitwise the first update's."""
+    rows = precision_trainer(tmp_path, dtype, mixed_precision).train()
+    assert rows[0]["ratio/onpolicy_max_dev"] <= 1e-6 and rows[0]["nfe/train"] > 0
+
+
+@pytest.mark.usefixtures("own_accelerator_state")
+@pytest.mark.parametrize("dtype, mixed_precision", [("float16", "bf16"), ("bfloat16", "fp16")])
+def test_half_weights_under_the_other_half_precision_autocast_are_refused_at_start_up(dtype, mixed_precision,
+                                                                                       tmp_path):
+    """torch's autocast rejects float16 and bfloat16 inputs mixed in one op (a torch.cat of text embeddings, the
+    transformer's own ops), so these runs failed in the first rollout ('Unexpected floating ScalarType'; on CPU
+    a mixed-dtype layer_norm first)."""
+    message = rf"^bad value for 'model.dtype': {dtype} cannot run under {mixed_precision} mixed precision \("
+    with pytest.raises(ConfigError, match=message):
+        precision_trainer(tmp_path, dtype, mixed_precision)
