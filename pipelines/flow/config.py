@@ -44,7 +44,9 @@ class FlowModelConfig:
     guidance_scale_2: float | None = ranged(None, low=0)
     """Wan2.2 A14B (two experts): the CFG scale of the steps the low-noise expert (``transformer_2``) runs, as
     ``WanPipeline(guidance_scale_2=...)``; ``sampling.guidance_scale`` is the high-noise expert's. None uses
-    ``sampling.guidance_scale`` for both (the pipeline's default). An error for any other model."""
+    ``sampling.guidance_scale`` for both (the pipeline's default). As in the pipeline, ``sampling.guidance_scale``
+    alone decides whether CFG runs: at <= 1 neither expert runs an unconditional forward, and this value is
+    unused. An error for any other model."""
     gradient_checkpointing: bool = False
     """Recompute transformer activations in backward to save memory."""
     attention_backend: str = "auto"

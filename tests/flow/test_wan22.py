@@ -209,6 +209,24 @@ def test_guidance_scale_2_guides_the_low_noise_expert_steps_as_the_stock_pipelin
         load_adapter(cfg_of(folders["ti2v"], guidance_scale_2=g2))  # no low-noise expert
 
 
+def test_guidance_scale_at_most_one_turns_cfg_off_for_both_experts_as_the_stock_pipeline(folders):
+    """WanPipeline decides CFG on guidance_scale alone (do_classifier_free_guidance), so guidance_scale_2 > 1 then
+    guides nothing; mmgrpo keeps that (documented on model.guidance_scale_2)."""
+    ad = load_adapter(cfg_of(folders["a14b"], guidance_scale_2=3.0))
+    call = {"prompt": "a red cube", "num_inference_steps": 4, "height": SIZE, "width": SIZE, "num_frames": FRAMES,
+            "guidance_scale": 1.0, "guidance_scale_2": 3.0, "max_sequence_length": ad.max_sequence_length,
+            "output_type": "latent"}
+    with recording(ad.parts) as stock:
+        ad.pipe(**call, generator=torch.Generator().manual_seed(7))
+    assert [name for name, *_ in stock] == ["transformer"] * 2 + ["transformer_2"] * 2  # one forward per step
+    embeds = ad.encode(["a red cube"], "", 1.0)
+    assert embeds.uncond is None and not ad.uses_cfg(1.0)
+    with torch.no_grad():
+        for _, x, t, out in stock:
+            torch.testing.assert_close(ad.velocity(x.float(), t.float() / 1000, embeds, 1.0), out.float(),
+                                       rtol=1e-4, atol=1e-4)
+
+
 def test_a_mixed_batch_takes_each_row_from_its_own_expert_at_the_full_batch_size(lora):
     ad = lora("a14b")
     x, e = latents(ad, 2), ad.encode(["mixed a", "mixed b"], "", 1.0)
