@@ -15,8 +15,9 @@ Tokenizers are made without a network: the CLIP tokenizer is the real 49,408-tok
 file that open_clip ships, and the T5/UMT5 tokenizer is a 1,000-piece Unigram model trained in memory on a small
 built-in corpus of short scene descriptions (``<pad>``=0, ``</s>``=1, ``<unk>``=2, as in T5).
 
-``tiny_path(kind)`` builds each kind once per machine into ``$MMGRPO_CACHE/tiny/<kind>-v1`` (default
-``~/.cache/mmgrpo``), atomically, and returns the folder.
+``tiny_path(kind)`` builds each kind once per machine and library versions into
+``$MMGRPO_CACHE/tiny/<kind>-v1-diffusers<version>-transformers<version>`` (default ``~/.cache/mmgrpo``), atomically,
+and returns the folder: a pipeline saved by one release of diffusers or transformers may not load in another.
 """
 
 from __future__ import annotations
@@ -255,14 +256,23 @@ def cache_root() -> Path:
     return Path(os.environ.get("MMGRPO_CACHE", "~/.cache/mmgrpo")).expanduser() / "tiny"
 
 
+def cache_folder(kind: str) -> Path:
+    """The cache folder of the tiny ``kind`` pipeline under the installed diffusers and transformers."""
+    import diffusers
+    import transformers
+
+    return cache_root() / f"{kind}-v{FORMAT_VERSION}-diffusers{diffusers.__version__}-transformers{transformers.__version__}"
+
+
 def tiny_path(kind: str) -> Path:
-    """The folder of the cached tiny ``kind`` pipeline, built on first use.
+    """The folder of the cached tiny ``kind`` pipeline, built on first use under the installed diffusers and
+    transformers (their versions name the folder, so another release builds its own).
 
     The build goes to a temporary folder next to the destination, which is then renamed into place, so a reader
     never sees a half-written pipeline; when two processes race, the loser discards its copy."""
     if kind not in _BUILDERS:
         raise ValueError(f"unknown tiny pipeline kind '{kind}' (known: {', '.join(KINDS)})")
-    final = cache_root() / f"{kind}-v{FORMAT_VERSION}"
+    final = cache_folder(kind)
     if (final / "model_index.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)

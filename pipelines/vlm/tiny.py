@@ -213,8 +213,12 @@ def cache_root() -> Path:
 
 
 def tiny_path(kind: str) -> Path:
-    """The cached tiny checkpoint folder for ``kind``, built on first use (built aside, then renamed into place)."""
-    target = cache_root() / "tiny" / f"{kind}-{VERSION}"
+    """The cached tiny checkpoint folder for ``kind``, built on first use (built aside, then renamed into place)
+    under the installed transformers, whose version names the folder: a checkpoint saved by one release may not
+    load in another."""
+    import transformers
+
+    target = cache_root() / "tiny" / f"{kind}-{VERSION}-transformers{transformers.__version__}"
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import diffusers
 import pytest
 import torch
+import transformers
 
 from mmgrpo.pipelines.flow import tiny
 from mmgrpo.pipelines.flow.tiny import KINDS, build_tiny_pipeline, clip_tokenizer, t5_tokenizer, tiny_path
@@ -73,7 +74,8 @@ def test_tiny_path_builds_once_into_the_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiny, "build_tiny_pipeline", fake_build)
     first = tiny_path("sd3")
-    assert first == tmp_path / "tiny" / f"sd3-v{tiny.FORMAT_VERSION}" and (first / "model_index.json").is_file()
+    name = f"sd3-v{tiny.FORMAT_VERSION}-diffusers{diffusers.__version__}-transformers{transformers.__version__}"
+    assert first == tmp_path / "tiny" / name and (first / "model_index.json").is_file()
     assert tiny_path("sd3") == first and calls == ["sd3"]
     assert [p.name for p in (tmp_path / "tiny").iterdir()] == [first.name]  # no staging folder left behind
     with pytest.raises(ValueError, match="unknown tiny pipeline kind"):
@@ -82,7 +84,7 @@ def test_tiny_path_builds_once_into_the_cache(tmp_path, monkeypatch):
 
 def test_tiny_path_loses_a_race_gracefully_and_never_leaves_a_partial_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path))
-    final = tmp_path / "tiny" / f"flux-v{tiny.FORMAT_VERSION}"
+    final = tiny.cache_folder("flux")
 
     def racing_build(kind, directory, seed=0):
         final.mkdir(parents=True)  # another process finishes first

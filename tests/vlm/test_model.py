@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
 from mmgrpo.config import ConfigError
 from mmgrpo.pipelines.vlm.config import VLMModelConfig
@@ -65,11 +66,11 @@ def test_tiny_builds_and_loads_offline(kind, tmp_path, monkeypatch):
 def test_tiny_path_builds_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("MMGRPO_CACHE", str(tmp_path))
     first = tiny_path("qwen2_vl")
-    assert first == tmp_path / "tiny" / "qwen2_vl-v1"
+    assert first == tmp_path / "tiny" / f"qwen2_vl-v1-transformers{transformers.__version__}"
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert tiny_path("qwen2_vl") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert os.listdir(tmp_path / "tiny") == ["qwen2_vl-v1"]  # no staging folder left behind
+    assert os.listdir(tmp_path / "tiny") == [first.name]  # no staging folder left behind
 
 
 def test_registered_as_model_adapter():
