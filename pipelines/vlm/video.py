@@ -84,13 +84,15 @@ def image_min_pixels(cfg: VLMVideoConfig) -> int:
 
 
 def frame_count(duration_s: float, native_fps: float, total_frames: int, cfg: VLMVideoConfig) -> int:
-    """Frames to sample from a clip (Qwen2-VL convention, all knobs from ``cfg``).
+    """Frames to sample from a clip, by Qwen2-VL's rule (qwen-vl-utils' ``smart_nframes`` as Qwen2-VL, Qwen2.5-VL
+    and Video-R1 use it), all knobs from ``cfg``.
 
-    ``round(duration_s * cfg.fps)`` (halves round up), clamped to ``[min_frames, max_frames]`` (with ``min_frames``
-    rounded up and ``max_frames`` rounded down to multiples of ``frame_multiple``), then to ``total_frames``, then
-    rounded **down** to a multiple of ``frame_multiple``, and at least ``frame_multiple``: a clip shorter than that
-    repeats frames (see :func:`sample_indices`). ``duration_s`` that is not positive and finite is replaced by
-    ``total_frames / native_fps``.
+    ``duration_s * cfg.fps`` clamped to ``[min_frames, max_frames]`` (``min_frames`` rounded up and ``max_frames``
+    rounded down to multiples of ``frame_multiple``), then rounded to the nearest multiple of ``frame_multiple``
+    (Python's ``round``: ties to even), then, beyond qwen-vl-utils (which refuses it), capped by ``total_frames``
+    rounded down to a multiple and at least ``frame_multiple``: a clip shorter than that repeats frames (see
+    :func:`sample_indices`). ``duration_s`` that is not positive and finite is replaced by ``total_frames /
+    native_fps``.
     """
     if total_frames < 1:
         raise ValueError(f"frame_count: total_frames must be >= 1, got {total_frames}")
@@ -98,9 +100,8 @@ def frame_count(duration_s: float, native_fps: float, total_frames: int, cfg: VL
         duration_s = total_frames / native_fps if math.isfinite(native_fps) and native_fps > 0 else 0.0
     m = cfg.frame_multiple
     lo, hi = -(-cfg.min_frames // m) * m, cfg.max_frames // m * m
-    n = math.floor(duration_s * cfg.fps + 0.5)
-    n = min(max(n, lo), hi, total_frames)
-    return max(m, n // m * m)
+    n = round(min(max(duration_s * cfg.fps, lo), hi) / m) * m
+    return max(m, min(n, total_frames // m * m))
 
 
 def sample_indices(total_frames: int, count: int) -> list[int]:

@@ -38,18 +38,20 @@ def cfg(**kw) -> VLMVideoConfig:
 
 
 @pytest.mark.parametrize("duration, native_fps, total, kw, expected", [
+    # qwen-vl-utils' smart_nframes: clamp duration x fps to [min, max], round to the nearest multiple (ties to even)
     (4.0, 4.0, 16, {}, 8),                       # 4 s x 2 fps
     (10.0, 30.0, 300, {}, 16),                   # 20 clamped to max_frames
     (1.0, 30.0, 30, {}, 4),                      # 2 raised to min_frames
-    (3.5, 30.0, 105, {}, 6),                     # 7 rounded down to a multiple of 2
-    (2.25, 4.0, 9, {}, 4),                       # 4.5 rounds (half up) to 5, then down to 4
-    (2.75, 4.0, 11, {}, 6),                      # 5.5 -> 6
-    (5.0, 1.0, 5, {}, 4),                        # 10, capped by the 5 frames there are, then down to 4
+    (3.5, 30.0, 105, {}, 8),                     # 7 = 3.5 pairs, a tie, to 4 pairs (even)
+    (2.5, 30.0, 75, {}, 4),                      # 5 = 2.5 pairs, a tie, to 2 pairs (even)
+    (2.25, 4.0, 9, {}, 4),                       # 4.5 = 2.25 pairs -> 2
+    (2.75, 4.0, 11, {}, 6),                      # 5.5 = 2.75 pairs -> 3
+    (5.0, 1.0, 5, {}, 4),                        # 10, capped by the 5 frames there are, down to 4
     (0.25, 4.0, 1, {}, 2),                       # one frame: at least frame_multiple (repeated)
     (1.0, 30.0, 30, {"min_frames": 5}, 6),       # odd min_frames rounds up to a multiple
     (10.0, 30.0, 300, {"max_frames": 15}, 14),   # odd max_frames rounds down
     (3.5, 30.0, 105, {"frame_multiple": 1}, 7),
-    (3.5, 30.0, 105, {"frame_multiple": 4, "fps": 3.0}, 8),  # 10.5 -> 11 -> 8
+    (3.5, 30.0, 105, {"frame_multiple": 4, "fps": 3.0}, 12),  # 10.5 = 2.625 quads -> 3
     (0.0, 4.0, 16, {}, 8),                       # unknown duration: total / native fps
     (float("nan"), 8.0, 96, {"fps": 1.0}, 12),
 ])
