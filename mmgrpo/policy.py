@@ -228,19 +228,24 @@ class Policy(ABC):
         return [path, write_sample_index(directory / tag, batch.prompts, batch.group, **columns)]
 
 
+def hash_seed(*parts: int) -> int:
+    """A 32-bit seed from the integers ``parts`` (CRC-32 of their JSON list): the same on every machine."""
+    return zlib.crc32(json.dumps(list(parts)).encode())
+
+
 def first_seed(item: dict, seed: int) -> int:
     """The seed of an item's sample 0 in ``generate``: its ``seed`` key, else a 32-bit hash of the run's ``seed``
     and the item's prompt, so that it does not depend on the batch."""
     if "seed" in item:
         return int(item["seed"])
-    return zlib.crc32(json.dumps([seed, -1, zlib.crc32(item["prompt"].encode())]).encode())
+    return hash_seed(seed, -1, zlib.crc32(item["prompt"].encode()))
 
 
 def sample_seeds(first: int, count: int) -> list[int]:
     """The seeds of samples 0..count-1 of a prompt whose sample 0 has seed ``first``: ``first``, then for sample k
     a 32-bit hash of (``first``, k). Sample k's seed depends neither on ``count`` nor on the batch, and an item
     whose ``seed`` is sample k's regenerates sample k (as its sample 0)."""
-    return [first] + [zlib.crc32(json.dumps([first, k]).encode()) for k in range(1, count)]
+    return [first] + [hash_seed(first, k) for k in range(1, count)]
 
 
 SAMPLE_INDEX = "index.json"

@@ -24,7 +24,6 @@ NFE convention: one NFE is one sample (one latent row) through the transformer o
 from __future__ import annotations
 
 import json
-import zlib
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ from mmgrpo.policy import (
     Rollout,
     any_process,
     first_seed,
+    hash_seed,
     merged_counters,
     rows_after_first_update,
     sample_seeds,
@@ -235,7 +235,7 @@ class FlowPolicy(Policy):
 
     def _seed(self, *parts: int) -> int:
         """A 32-bit seed from ``seed`` and ``parts``."""
-        return zlib.crc32(json.dumps([self.cfg.seed, *parts]).encode())
+        return hash_seed(self.cfg.seed, *parts)
 
     # ------------------------------------------------------------------------------------------ rollout
     def rollout(self, items: list[dict], group_ids: list[int], group_size: int) -> Rollout:
