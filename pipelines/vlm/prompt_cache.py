@@ -17,15 +17,25 @@ import torch
 Value = TypeVar("Value")
 
 
+def storage_sizes(tensors: Iterable[torch.Tensor]) -> dict[tuple[str, int], int]:
+    """(device, address) -> bytes of each distinct storage under ``tensors``: a tensor listed twice, or views of
+    one storage, count once."""
+    return {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
+
+
 class PromptCache(Generic[Value]):
-    """At most ``max_bytes`` of values (by ``tensors_of(value)``'s storage), the least recently used evicted first;
-    a value larger than the whole budget is not kept. ``max_bytes`` 0 keeps nothing. Values are shared with the
-    caller: do not modify their tensors in place. ``hits`` and ``misses`` count :meth:`get` answers."""
+    """At most ``max_bytes`` of values (by the storages under ``tensors_of(value)``, each counted once however many
+    values hold it: a video decoded once per rollout is shared by every prompt that shows it), the least recently
+    used evicted first; a value larger than the whole budget by itself is not kept. ``max_bytes`` 0 keeps nothing.
+    Values are shared with the caller: do not modify their tensors in place. ``hits`` and ``misses`` count
+    :meth:`get` answers."""
 
     def __init__(self, max_bytes: int, tensors_of: Callable[[Value], Iterable[torch.Tensor]]):
         self.max_bytes = max_bytes
         self.tensors_of = tensors_of
-        self._entries: OrderedDict[Hashable, tuple[Value, int]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[Value, dict[tuple[str, int], int]]] = OrderedDict()
+        self._holders: dict[tuple[str, int], int] = {}
+        """Storage -> how many kept values hold it; a held storage stays alive, so its address is not reused."""
         self.bytes = 0
         self.hits = self.misses = 0
 
@@ -38,13 +48,19 @@ class PromptCache(Generic[Value]):
             return self._entries[key][0]
         self.misses += 1
         value = make()
-        size = sum(t.untyped_storage().nbytes() for t in self.tensors_of(value))
-        if size <= self.max_bytes:
-            self._entries[key] = (value, size)
-            self.bytes += size
+        sizes = storage_sizes(self.tensors_of(value))
+        if sum(sizes.values()) <= self.max_bytes:
+            self._entries[key] = (value, sizes)
+            for storage, size in sizes.items():
+                self.bytes += size if storage not in self._holders else 0
+                self._holders[storage] = self._holders.get(storage, 0) + 1
             while self.bytes > self.max_bytes:
                 _, (_, evicted) = self._entries.popitem(last=False)
-                self.bytes -= evicted
+                for storage, size in evicted.items():
+                    self._holders[storage] -= 1
+                    if not self._holders[storage]:
+                        del self._holders[storage]
+                        self.bytes -= size
         return value
 
     def __len__(self) -> int:
