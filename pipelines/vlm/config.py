@@ -68,9 +68,10 @@ class VLMDataConfig:
     ``{type_instruction}`` the sample's entry of ``type_instructions`` (or empty), inserted where the placeholder
     stands, never appended. ``<image>``/``<video>`` markers in the rendered text place the media (docs/vlm.md)."""
     type_instructions: dict[str, str] = field(default_factory=dict)
-    """Problem type (``multiple choice``, ``numerical``, ``OCR``, ``free-form``, ``regression``) -> the text put at
-    ``{type_instruction}`` for samples of that type, as given (include a leading space or line break), e.g. how
-    to write the answer. Empty by default; samples without a type, or of a type not listed, get nothing."""
+    """Problem type (``multiple choice``, ``numerical``, ``OCR``, ``free-form``, ``regression``, ``temporal
+    grounding``) -> the text put at ``{type_instruction}`` for samples of that type, as given (include a leading
+    space or line break), e.g. how to write the answer. Empty by default; samples without a type, or of a type not
+    listed, get nothing."""
     on_bad_media: str = "skip"
     """A missing or corrupt image/video: skip (count it and warn) or error (stop the run)."""
     prompt_cache_mb: float = ranged(1024.0, low=0.0)

@@ -29,12 +29,21 @@ from pathlib import Path
 from typing import Any
 
 from mmgrpo.config import ConfigError, cwd_hint
-from mmgrpo.rewards.text_rules import PROBLEM_TYPES, canonical_problem_type, last_tagged, normalize_choice
+from mmgrpo.rewards.text_rules import (
+    PROBLEM_TYPES,
+    canonical_problem_type,
+    is_temporal_grounding,
+    last_tagged,
+    normalize_choice,
+)
 
 _CONSUMED = ("problem", "problem_type", "options", "solution", "answer", "path", "data_type", "images", "videos")
 _OPTION_LABEL = re.compile(r"\s*\(?[A-Za-z]\s*[.):]")
 _PLACEHOLDER = re.compile(r"\{(question|options|type_instruction)\}")
 _MARKER = re.compile(r"(<image>|<video>)")
+TEMPORAL_GROUNDING = "temporal grounding"
+DATA_PROBLEM_TYPES = (*PROBLEM_TYPES, TEMPORAL_GROUNDING)
+"""The problem types a record may give: ``accuracy``'s, and temporal grounding, which ``temporal_iou`` scores."""
 
 
 @dataclass
@@ -44,7 +53,7 @@ class VLMSample:
     question: str
     """The problem text."""
     problem_type: str | None
-    """Video-R1 type from ``PROBLEM_TYPES`` (aliases normalised), or None when an EasyR1 record has none."""
+    """A type of ``DATA_PROBLEM_TYPES`` (aliases normalised), or None when an EasyR1 record has none."""
     options: list[str]
     """Answer options as given (Video-R1 labels them ``"A. ..."``); empty when there are none."""
     solution: str
@@ -154,6 +163,12 @@ def _references(value: Any, key: str, source: str) -> list[str | int | float] | 
     return list(value)
 
 
+def problem_type_of(name: Any) -> str | None:
+    """The canonical spelling (one of ``DATA_PROBLEM_TYPES``) of a record's ``problem_type``, or None when it
+    names no known type."""
+    return TEMPORAL_GROUNDING if is_temporal_grounding(name) else canonical_problem_type(name)
+
+
 def _parse_record(record: Any, source: str, root: Path) -> VLMSample:
     """One decoded record -> VLMSample (format detected as in the module notes); ConfigError naming ``source``."""
     if not isinstance(record, dict):
@@ -171,9 +186,10 @@ def _parse_record(record: Any, source: str, root: Path) -> VLMSample:
     raw_type = record.get("problem_type")
     if raw_type is None and fmt == "Video-R1":
         raise ConfigError(f"{source}: missing required field 'problem_type' (Video-R1 format)")
-    problem_type = None if raw_type is None else canonical_problem_type(raw_type)
+    problem_type = None if raw_type is None else problem_type_of(raw_type)
     if raw_type is not None and problem_type is None:
-        raise ConfigError(f"{source}: unknown problem_type {json.dumps(raw_type)}; valid: {', '.join(PROBLEM_TYPES)}")
+        raise ConfigError(f"{source}: unknown problem_type {json.dumps(raw_type)}; valid: "
+                          f"{', '.join(DATA_PROBLEM_TYPES)}")
     options = record.get("options") or []
     if not isinstance(options, list) or not all(isinstance(o, (str, int, float)) for o in options):
         raise ConfigError(f"{source}: field 'options' must be a list of strings")

@@ -31,6 +31,7 @@ from mmgrpo.grpo import kl_estimate
 from mmgrpo.pipelines.vlm import care, tgrpo
 from mmgrpo.pipelines.vlm.config import VLMConfig
 from mmgrpo.pipelines.vlm.data import (
+    DATA_PROBLEM_TYPES,
     VLMSample,
     chat_content,
     read_samples,
@@ -65,7 +66,6 @@ from mmgrpo.policy import (
 from mmgrpo.rewards import RewardBatch, RewardZoo
 from mmgrpo.rewards.consistency_bonus import LIKELIHOOD_KEY
 from mmgrpo.rewards.temporal_bonus import SHUFFLED_ACC_KEY
-from mmgrpo.rewards.text_rules import PROBLEM_TYPES
 from mmgrpo.rewards.zoo import RewardError
 
 BAD_MEDIA_POLICIES = ("skip", "error")
@@ -169,10 +169,10 @@ def check_config(cfg: VLMConfig, runnable_here: bool = True) -> None:
     if unknown:
         raise ConfigError(f"bad value {sorted(unknown)} for 'data.media_types': expected some of "
                           f"{', '.join(MEDIA_TYPES)}")
-    unknown = sorted(set(cfg.data.type_instructions) - set(PROBLEM_TYPES))
+    unknown = sorted(set(cfg.data.type_instructions) - set(DATA_PROBLEM_TYPES))
     if unknown:
         raise ConfigError(f"bad value for 'data.type_instructions': {unknown} are not problem types; expected some "
-                          f"of {', '.join(PROBLEM_TYPES)}")
+                          f"of {', '.join(DATA_PROBLEM_TYPES)}")
     check_attention(cfg.model.attn_implementation)
     if cfg.prefix_grouper and cfg.model.attn_implementation not in BLOCK_MASK_ATTENTION:
         raise ConfigError(f"prefix_grouper needs a block attention mask, which {cfg.model.attn_implementation} "

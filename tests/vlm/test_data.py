@@ -149,7 +149,21 @@ def test_unknown_problem_type_lists_valid_ones(root: Path):
         read_samples(path, root)
     msg = str(err.value)
     assert msg.startswith(f"{path}:2: unknown problem_type \"mcq\"")
-    assert all(t in msg for t in PROBLEM_TYPES)
+    assert all(t in msg for t in PROBLEM_TYPES) and "temporal grounding" in msg
+
+
+@pytest.mark.parametrize("spelled", ["temporal grounding", "Temporal_Grounding", "TVG"])
+def test_a_temporal_grounding_record_reads_and_reaches_temporal_iou(root: Path, spelled: str):
+    """The rewards score temporal grounding (``temporal_iou``; ``accuracy`` does not apply), so a Video-R1 record of
+    that type reads, its type kept in the canonical spelling."""
+    path = write_jsonl(root / "d.jsonl", [video_r1(problem_type=spelled, options=[], solution=[4, 8])])
+    (sample,) = read_samples(path, root)
+    meta = reward_meta(sample)
+    assert sample.problem_type == meta["problem_type"] == "temporal grounding"
+    batch = RewardBatch(prompts=["p"], group=torch.tensor([0]), completions=["<answer>[4, 6]</answer>"], meta=[meta])
+    assert TemporalIoU()(batch).tolist() == [0.5] and AccuracyReward()(batch).isnan().all()
+    told = {"temporal grounding": " Answer [start, end] in seconds."}
+    assert render_prompt(sample, "{question}{options}{type_instruction}", told).endswith(told["temporal grounding"])
 
 
 @pytest.mark.parametrize("drop, field", [("problem", "problem"), ("problem_type", "problem_type"),

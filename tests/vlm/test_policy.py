@@ -554,6 +554,8 @@ def test_unavailable_backend_and_bad_values_are_config_errors(tmp_path):
         VLMPolicy(config(tmp_path, overrides=("data.media_types=[audio]",)))
     with pytest.raises(ConfigError, match=r"data.type_instructions.*\['mcq'\].*multiple choice"):
         VLMPolicy(config(tmp_path, overrides=("data.type_instructions={mcq: ' Letter only.'}",)))
+    told = config(tmp_path, overrides=("data.type_instructions={temporal grounding: ' [start, end] in seconds.'}",))
+    assert list(told.data.type_instructions) == ["temporal grounding"]  # a type the data reads (temporal_iou's)
     with pytest.raises(ConfigError, match=r"video.size_factor: 28 px .*tiny:qwen3_vl.* set video.size_factor=32"):
         VLMPolicy(config(tmp_path, overrides=("model.path=tiny:qwen3_vl",)))  # 16-px patches, merged 2 x 2
     with pytest.raises(ConfigError, match=r"video.frame_multiple: 3 is not a multiple of the 2 frames .* set "
