@@ -141,8 +141,9 @@ def sample_tokens(logits: torch.Tensor, suppress: torch.Tensor, cfg: VLMGenerati
         drop = probs.cumsum(-1) - probs > cfg.top_p  # keeps the smallest prefix whose mass reaches top_p
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, ordered.masked_fill(drop, float("-inf")))
     probs = logits.softmax(-1)
-    if isinstance(generator, list):
-        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generator)])
+    if isinstance(generator, list):  # B may be 0: every row ended while another process decodes on
+        return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generator)]
+                         + [probs.new_empty(0, dtype=torch.long)])
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 

@@ -264,6 +264,19 @@ def test_synced_decoding_runs_every_forward_and_samples_the_same():
         hook.remove()
 
 
+def test_synced_decoding_with_a_generator_per_row_outlives_its_rows():
+    """One generator per row (seeded ``mmgrpo sample``), decoding in step: once every row of this process has
+    ended while another process decodes on, steps sample nothing, and the samples are those of decoding alone."""
+    vlm = VLMModel(VLMModelConfig(path=str(ROOT / "assets" / "tiny-qwen2vl-shapes")))
+    image = torch.randint(0, 256, (3, 56, 56), dtype=torch.uint8, generator=seeded(0))
+    prompts = [vlm.prompt_inputs("How many shapes are in the image?", [image], [], [])]
+    cfg = VLMGenerationConfig(max_new_tokens=24, temperature=1.5)
+    alone = generate_groups(vlm, prompts, 2, cfg, [seeded(1), seeded(2)])[0]
+    assert int(alone.mask.sum(1).max()) < cfg.max_new_tokens  # ends before the limit: later steps have no rows
+    synced = generate_groups(vlm, prompts, 2, cfg, [seeded(1), seeded(2)], synced=lambda more: True)[0]
+    assert torch.equal(alone.ids, synced.ids) and alone.texts == synced.texts
+
+
 def test_packed_groups_sample_what_rows_of_their_own_sample(monkeypatch):
     """Rows that end at different steps: in a packed group an ended sample stays in its block, fed padding, until
     the whole group ends. The samples (seeded, temperature 1) of several left-padded prompts decoded together
