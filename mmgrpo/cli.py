@@ -174,7 +174,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     from mmgrpo.config import key_docs, key_ranges, to_dict
     from mmgrpo.registry import PIPELINES
 
-    if not Path(args.config).exists() and args.config in PIPELINES:  # a pipeline name: its defaults
+    if not Path(args.config).is_file() and args.config in PIPELINES:  # a pipeline name (configs/ has a flow/)
         if args.overrides:
             raise ConfigError("overrides apply to a preset file, not to a pipeline's defaults")
         schema = PIPELINES.get(args.config).config_class

@@ -409,8 +409,8 @@ for _tag, _pattern, _first in (
     ConfigLoader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_pattern})$"), _first)
 
 
-def load_yaml(text: str) -> Any:
-    """YAML text as Python values, read with :class:`ConfigLoader`."""
+def load_yaml(text: str | bytes) -> Any:
+    """YAML text (or its bytes) as Python values, read with :class:`ConfigLoader`."""
     return yaml.load(text, Loader=ConfigLoader)
 
 
@@ -420,6 +420,9 @@ def read_preset(path: str | os.PathLike, chain: tuple[Path, ...] = ()) -> dict[s
     Bases merge in order, then the file itself; nested mappings merge key by key and lists are replaced. ``chain``
     holds the presets whose bases led here, for the messages about a missing base or a cycle."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config path {path} is a directory, not a YAML file"
+                          + (f" (the base of {chain[-1]})" if chain else ""))
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}" + (f" (the base of {chain[-1]})" if chain else ""))
     resolved = [p.resolve() for p in chain]
@@ -427,7 +430,7 @@ def read_preset(path: str | os.PathLike, chain: tuple[Path, ...] = ()) -> dict[s
         cycle = [*chain[resolved.index(path.resolve()):], path]
         raise ConfigError(f"'base:' cycle in presets: {' -> '.join(map(str, cycle))}")
     try:
-        data = load_yaml(path.read_text()) or {}
+        data = load_yaml(path.read_bytes()) or {}  # bytes: YAML's own encodings (UTF-8, or UTF-16 by its BOM)
     except yaml.YAMLError as err:
         raise ConfigError(f"cannot parse {path}: {' '.join(str(err).split())}") from err
     if not isinstance(data, dict):

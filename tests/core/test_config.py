@@ -150,6 +150,19 @@ def test_a_null_or_empty_output_dir_is_refused(tmp_path, output_dir, override):
         load_config(preset, [override])
 
 
+def test_a_config_path_that_is_a_folder_or_not_text_is_one_line(tmp_path, capsys):
+    (tmp_path / "presets").mkdir()
+    with pytest.raises(ConfigError, match=r"^config path .*presets is a directory, not a YAML file$"):
+        read_preset(tmp_path / "presets")
+    binary = tmp_path / "weights.yaml"
+    binary.write_bytes(b"\x00\xff\xfe\x80 not text")
+    with pytest.raises(ConfigError, match=r"^cannot parse .*weights\.yaml: "):
+        read_preset(binary)
+    assert main(["config", str(binary)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("config error: cannot parse"), lines
+
+
 def test_missing_file_and_missing_pipeline(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
@@ -371,6 +384,14 @@ def test_config_command_shows_resolved_values_with_their_docs(capsys, monkeypatc
     row = next(line for line in capsys.readouterr().out.splitlines() if "data.media_types" in line)
     assert "[image, video, text]" in row  # a list value is shown, not taken for markup
     assert main(["config", "vlm", "seed=1"]) == 2
+
+
+def test_config_command_takes_a_pipeline_name_beside_a_folder_of_that_name(tmp_path, capsys, monkeypatch):
+    """``mmgrpo config flow`` run in configs/ or pipelines/ (each has a flow/ folder) shows the defaults."""
+    (tmp_path / "flow").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "flow", "--grep", "train.max_steps"]) == 0
+    assert "flow pipeline defaults" in capsys.readouterr().out
 
 
 def test_config_command_piped_keeps_rows_whole_and_says_when_nothing_matches(capsys, monkeypatch):
