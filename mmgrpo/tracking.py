@@ -87,6 +87,11 @@ def start_wandb(run_dir: Path, project: str, config: dict[str, Any], resume_step
     return run, first
 
 
+def plain_scalar(value: Any) -> Any:
+    """A numpy scalar or a 0-d torch tensor as the Python number (or bool) it holds; anything else unchanged."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+
+
 class MetricsLog:
     """Writes one JSON object per optimiser step. Only the main process should create one."""
 
@@ -112,6 +117,7 @@ class MetricsLog:
             self.wandb, self.wandb_from = start_wandb(run_dir, wandb_project, config, resume_step, last_step)
 
     def log(self, row: dict[str, Any]) -> None:
+        row = {k: plain_scalar(v) for k, v in row.items()}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self.file.write(json.dumps(clean) + "\n")
         self.file.flush()

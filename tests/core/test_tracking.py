@@ -62,6 +62,22 @@ def test_a_resume_drops_the_tensorboard_points_after_its_checkpoint(tmp_path):
     assert [r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1.0, 2.0, -3.0, -4.0]
 
 
+def test_numpy_and_tensor_scalars_are_logged_as_numbers_and_non_finite_ones_as_null(tmp_path):
+    """A pipeline's counters or a custom reward's statistics may be numpy or torch scalars: they were refused by
+    json ('float32 is not JSON serializable', stopping the run after its step trained), or, as np.float32 NaN,
+    escaped the NaN -> null cleaning."""
+    import numpy as np
+    import torch
+
+    log = MetricsLog(tmp_path, {}, tensorboard=False, wandb=False, wandb_project="p", resume_step=None)
+    log.log({"step": np.int64(1), "a": np.float32(0.5), "b": np.int64(3), "c": torch.tensor(1.5),
+             "d": np.float32("nan"), "e": torch.tensor(float("inf")), "f": np.bool_(True), "g": float("nan")})
+    log.close()
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(text) == {"step": 1, "a": 0.5, "b": 3, "c": 1.5, "d": None, "e": None, "f": True, "g": None}
+    assert "NaN" not in text and "Infinity" not in text
+
+
 def test_a_resume_that_cannot_rewrite_metrics_leaves_them_whole(tmp_path):
     """Resuming at step 80 rewrites metrics.jsonl to its first 80 rows. When that write fails (here a 4 KiB file
     size limit, as a full disk would), the 100 rows are still there; a working resume keeps the first 80."""
