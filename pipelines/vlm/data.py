@@ -41,6 +41,9 @@ _CONSUMED = ("problem", "problem_type", "options", "solution", "answer", "path",
 _OPTION_LABEL = re.compile(r"\s*\(?[A-Za-z]\s*[.):]")
 _PLACEHOLDER = re.compile(r"\{(question|options|type_instruction)\}")
 _MARKER = re.compile(r"(<image>|<video>)")
+_VISION_SPECIAL = re.compile(r"<\|(?:image_pad|video_pad|vision_start|vision_end|vision_pad)\|>")
+"""Qwen2-VL-family vision special tokens: the processor expands each ``<|image_pad|>`` / ``<|video_pad|>`` of the
+text into a medium's tokens, so written in a prompt they would take pixels meant for the markers' places."""
 TEMPORAL_GROUNDING = "temporal grounding"
 DATA_PROBLEM_TYPES = (*PROBLEM_TYPES, TEMPORAL_GROUNDING)
 """The problem types a record may give: ``accuracy``'s, and temporal grounding, which ``temporal_iou`` scores."""
@@ -316,7 +319,8 @@ def render_prompt(sample: VLMSample, template: str, type_instructions: dict[str,
     after the problem; here any sample with options gets them, on a new line after the problem. Raises ConfigError
     when the template has no ``{question}``, no ``{options}`` while the sample has options, or no
     ``{type_instruction}`` while the sample's type has an instruction (either would be lost); and, naming the
-    sample, when the prompt has ``<image>``/``<video>`` markers that do not match its media (:func:`chat_content`).
+    sample, when the prompt has ``<image>``/``<video>`` markers that do not match its media, or holds a vision
+    special token such as ``<|image_pad|>`` (:func:`chat_content`).
     """
     if "{question}" not in template:
         raise ConfigError("bad value for 'data.prompt_template': it must contain {question}")
@@ -343,7 +347,11 @@ def chat_content(text: str, n_images: int, n_videos: int) -> list[dict[str, str]
     Text with ``<image>``/``<video>`` markers (EasyR1) is split at them and the k-th ``<image>`` marker becomes the
     k-th image (likewise videos), the markers dropped and empty text pieces left out; text without markers gets
     every image, then every video, then the text. Raises ValueError when there are markers and their counts differ
-    from the media counts."""
+    from the media counts, or when the text holds a vision special token (``<|image_pad|>``, ...)."""
+    special = _VISION_SPECIAL.search(text)
+    if special:
+        raise ValueError(f"the prompt holds {special.group()}, a vision special token that the processor fills with "
+                         f"pixels: use <image> / <video> markers to place the media")
     parts = _MARKER.split(text)
     markers = parts[1::2]
     if not markers:

@@ -288,6 +288,18 @@ def test_marker_count_mismatch_names_the_record(root: Path):
         render_prompt(bad, "{question}")
 
 
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>"])
+def test_a_vision_special_token_in_the_text_names_the_record(root: Path, token: str):
+    """The processor expands every ``<|image_pad|>`` of the text into an image's tokens: written in a record, it
+    would stop the run at the item's first draw (or mis-place the pixels); it stops the run at start-up instead."""
+    path = write_jsonl(root / "d.jsonl", [{"problem": f"Look {token} here.", "answer": "yes", "images": ["a.png"]}])
+    (sample,) = read_samples(path, root)
+    with pytest.raises(ConfigError, match=rf"d\.jsonl:1: the prompt holds {re.escape(token)}, .*use <image>"):
+        render_prompt(sample, "{question}")
+    with pytest.raises(ValueError, match="vision special token"):
+        chat_content(f"{token}x", 0, 0)
+
+
 @pytest.mark.parametrize("preset", ["tiny_base", "tiny_image", "tiny_video_tgrpo", "demo_shapes"])
 def test_cpu_preset_prompts_are_unchanged(preset):
     """The shipped tiny VLM was fine-tuned on these exact prompts: media first, then the bare question and options."""
