@@ -337,8 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark suite, print a table, write JSON")
     p.add_argument("name", help="suite name")
     p.add_argument("--out", help="write the result JSON here")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads, recorded in the output (default 1: "
-                   "on a small shared CPU, more threads wait on each other and make ratios erratic)")
+    p.add_argument("--threads", type=non_negative_int, default=1, help="torch CPU threads, recorded in the output "
+                   "(default 1: on a small shared CPU, more threads wait on each other and make ratios erratic; 0: "
+                   "torch's own count)")
     p.add_argument("--only", help="comma-separated cases to run instead of all, for a suite that selects: "
                    "learning takes preset names of configs/learning/ (e.g. flow_grpo,mixgrpo)")
     p.set_defaults(fn=cmd_bench)
@@ -347,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="YAML with a 'rewards:' list (as in presets) and an optional 'server:' section, "
                    "e.g. configs/rewards/image_server.yaml")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; any other address needs a token)")
-    p.add_argument("--port", type=int, help="TCP port (default 8765; 0 = any free port)")
+    p.add_argument("--port", type=port_number, help="TCP port (default 8765; 0 = any free port)")
     p.add_argument("--token-env", help="environment variable holding the bearer token (default MMGRPO_REWARD_TOKEN)")
     p.set_defaults(fn=cmd_serve_rewards)
 
@@ -383,6 +384,14 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def port_number(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {value}")
     return value
 
 

@@ -59,6 +59,23 @@ def test_overrides_may_follow_options_and_counts_must_be_positive(capsys):
     assert "--sample-seed: must be >= 0, got -1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve-rewards", "r.yaml", "--port", "70000"], "--port: must be a TCP port in [0, 65535], got 70000"),
+    (["serve-rewards", "r.yaml", "--port", "-1"], "--port: must be a TCP port in [0, 65535], got -1"),
+    (["bench", "rewards", "--threads", "-1"], "--threads: must be >= 0, got -1"),
+])
+def test_a_port_or_thread_count_out_of_range_is_a_usage_error(argv, message, capsys):
+    """Both reached the socket or torch first: 'OverflowError: bind(): port must be 0-65535' and 'RuntimeError:
+    set_num_threads expects a positive integer' tracebacks (the bench one after its suite was set up)."""
+    from mmgrpo.cli import parse
+
+    with pytest.raises(SystemExit) as err:
+        parse(argv)
+    assert err.value.code == 2 and message in capsys.readouterr().err
+    assert parse(["serve-rewards", "r.yaml", "--port", "0"]).port == 0  # any free port
+    assert parse(["bench", "rewards", "--threads", "0"]).threads == 0  # torch's own count
+
+
 def test_demo_help_gives_each_demo_budget():
     """The parser is built without importing torch (mmgrpo.demo does), so the budgets are written out in its help:
     this keeps them equal to the DemoSpecs."""
