@@ -8,7 +8,8 @@ works):
    that line (the closest such colour wins). It is background when it is within ``BACKGROUND_TOL`` of the background.
 2. **Objects.** 8-connected components of each colour. Components smaller than ``SPECK_AREA`` are specks (stray
    pixels); every other component is an object: its size is the longer side of its bounding box, its position the
-   box centre.
+   box centre. A component that lies within ``EDGE_BAND`` of larger objects of two other colours, and nowhere else,
+   is the antialiased seam where they meet (a red edge against a green one blends to yellow), not an object.
 3. **Shape.** The object's mask inside its box gives three features: fill ratio, fill of the two top corners and of
    the two bottom corners (corner triangles, see :func:`shape_features`). A shape is recognised when the box aspect
    is within ``ASPECT_RANGE`` and the features fall in its ``SHAPE_RULES`` box; otherwise it is unknown.
@@ -36,7 +37,6 @@ import weakref
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from scipy import ndimage
 
 from mmgrpo.registry import REWARDS
@@ -116,6 +116,19 @@ def classify_shape(crop: np.ndarray) -> str | None:
     return None
 
 
+def dilate(mask: np.ndarray, band: int) -> np.ndarray:
+    """(H, W) boolean: the pixels within ``band`` px (in x and in y) of a pixel of the (H, W) boolean ``mask``."""
+    return ndimage.binary_dilation(mask, np.ones((2 * band + 1, 2 * band + 1), dtype=bool))
+
+
+def is_seam(mask: np.ndarray, near_others: list[np.ndarray]) -> bool:
+    """Whether the (H, W) boolean component ``mask`` is a blend seam: it touches the bands (``near_others``, one
+    (H, W) mask per other colour, :func:`dilate` of its objects) of two colours or more and has no pixel outside
+    them."""
+    touched = [n for n in near_others if (mask & n).any()]
+    return len(touched) >= 2 and not (mask & ~np.logical_or.reduce(touched)).any()
+
+
 def detect_objects(images: torch.Tensor) -> tuple[list[list[dict]], torch.Tensor]:
     """Objects and stray-pixel fraction of (B, 3, H, W) images in [0, 1].
 
@@ -140,20 +153,22 @@ def detect_objects(images: torch.Tensor) -> tuple[list[list[dict]], torch.Tensor
                 if cid and area >= min_area:
                     found.append((int(area), colour, comps[i, k] == cid))
         found.sort(key=lambda f: -f[0])
-        objects = []
-        for rank, (area, colour, mask) in enumerate(found):
+        objects, near = [], {}  # near: colour -> (H, W) pixels within the band of its objects so far
+        for area, colour, mask in found:
             object_pixels |= mask
-            if rank >= MAX_OBJECTS:
+            if is_seam(mask, [n for c, n in near.items() if c != colour]):
+                continue
+            if len(objects) >= MAX_OBJECTS:
                 objects.append({"colour": colour, "shape": None, "size": np.nan, "x": np.nan, "y": np.nan,
                                 "area": area, "border": False})
                 continue
+            near[colour] = near.get(colour, False) | dilate(mask, band)
             rows, cols = np.nonzero(mask)
             r0, r1, c0, c1 = rows.min(), rows.max() + 1, cols.min(), cols.max() + 1
             objects.append({"colour": colour, "shape": classify_shape(mask[r0:r1, c0:c1]),
                             "size": max(r1 - r0, c1 - c0) / w, "x": (c0 + c1) / 2 / w, "y": (r0 + r1) / 2 / h,
                             "area": area, "border": bool(r0 == 0 or c0 == 0 or r1 == h or c1 == w)})
-        near = F.max_pool2d(torch.from_numpy(object_pixels)[None, None].float(), 2 * band + 1, 1, band)[0, 0] > 0
-        stray.append(float((~background[i] & ~near).float().mean()))
+        stray.append(float((~background[i] & ~torch.from_numpy(dilate(object_pixels, band))).float().mean()))
         results.append(objects)
     return results, torch.tensor(stray, dtype=torch.float64)
 
