@@ -319,8 +319,8 @@ def render_prompt(sample: VLMSample, template: str, type_instructions: dict[str,
     after the problem; here any sample with options gets them, on a new line after the problem. Raises ConfigError
     when the template has no ``{question}``, no ``{options}`` while the sample has options, or no
     ``{type_instruction}`` while the sample's type has an instruction (either would be lost); and, naming the
-    sample, when the prompt has ``<image>``/``<video>`` markers that do not match its media, or holds a vision
-    special token such as ``<|image_pad|>`` (:func:`chat_content`).
+    sample, when it has more than 26 options to label, or when the prompt has ``<image>``/``<video>`` markers
+    that do not match its media or holds a vision special token such as ``<|image_pad|>`` (:func:`chat_content`).
     """
     if "{question}" not in template:
         raise ConfigError("bad value for 'data.prompt_template': it must contain {question}")
@@ -331,11 +331,12 @@ def render_prompt(sample: VLMSample, template: str, type_instructions: dict[str,
     if instruction and "{type_instruction}" not in template:
         raise ConfigError(f"bad value for 'data.prompt_template': it has no {{type_instruction}}, but "
                           f"data.type_instructions has one for {sample.problem_type!r} ({sample.source})")
-    values = {"question": sample.question, "options": format_options(sample.options), "type_instruction": instruction}
-    prompt = _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
     try:
+        options = format_options(sample.options)
+        values = {"question": sample.question, "options": options, "type_instruction": instruction}
+        prompt = _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
         chat_content(prompt, len(sample.images), len(sample.videos))
-    except ValueError as err:
+    except ValueError as err:  # ConfigError is one
         raise ConfigError(f"{sample.source}: {err}") from err
     return prompt
 

@@ -246,6 +246,9 @@ def test_render_prompt_labels_and_braces():
         render_prompt(s, "{options}")
     with pytest.raises(ConfigError, match="has no {options}"):
         render_prompt(s, "{question}")
+    many = VLMSample("q", "multiple choice", [str(k) for k in range(27)], "A", source="d.jsonl:4")
+    with pytest.raises(ConfigError, match=r"^d\.jsonl:4: cannot label 27 options"):
+        render_prompt(many, "{question}{options}")
 
 
 def test_render_prompt_type_instruction():
