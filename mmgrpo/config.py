@@ -103,6 +103,11 @@ update and may re-plan their end, :mod:`mmgrpo.schedule`); plateau and greedy sc
 min-lr and warmup-stable-decay ones arguments this config does not carry."""
 
 
+POLYNOMIAL_LR_END = 1e-7
+"""The lr the polynomial schedule decays to: transformers' default ``lr_end``, which ``get_scheduler`` keeps; the
+schedule refuses a peak lr at or below it."""
+
+
 @dataclass
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
@@ -639,6 +644,9 @@ def validate(cfg: BaseConfig) -> None:
         close = difflib.get_close_matches(cfg.optim.lr_scheduler, LR_SCHEDULERS, n=1, cutoff=0.0)
         raise ConfigError(f"bad value '{cfg.optim.lr_scheduler}' for 'optim.lr_scheduler': expected one of "
                           f"{', '.join(LR_SCHEDULERS)}" + (f" (closest: '{close[0]}')" if close else ""))
+    if cfg.optim.lr_scheduler == "polynomial" and not cfg.optim.lr > POLYNOMIAL_LR_END:
+        raise ConfigError(f"bad value for 'optim.lr': the polynomial lr_scheduler decays to {POLYNOMIAL_LR_END:g} "
+                          f"and needs a peak lr above it, got {cfg.optim.lr:g} (or choose another lr_scheduler)")
     from mmgrpo.registry import ADVANTAGES, POLICY_LOSSES, RegistryError
 
     for key, registry in (("grpo.advantage", ADVANTAGES), ("grpo.loss", POLICY_LOSSES)):

@@ -82,6 +82,23 @@ def test_registry_and_scheduler_names_are_checked_at_load(tmp_path):
     assert load_config(preset, ["optim.lr_scheduler=cosine", "grpo.advantage=rloo"]).grpo.advantage == "rloo"
 
 
+@pytest.mark.parametrize("lr", ["0", "1e-7", "5e-8"])
+def test_a_polynomial_schedule_needs_a_peak_lr_above_its_end(tmp_path, lr):
+    """transformers' polynomial schedule decays to lr_end 1e-7 and refuses a peak lr at or below it with a
+    ValueError the trainer raised as a traceback after the model was built."""
+    import torch
+    from transformers import get_scheduler
+
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "optim": {"lr_scheduler": "polynomial"}})
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=float(lr))
+    with pytest.raises(ValueError, match="lr_end"):  # what the check stands in for
+        get_scheduler("polynomial", optimizer, num_warmup_steps=0, num_training_steps=10)
+    with pytest.raises(ConfigError, match=r"^bad value for 'optim.lr': the polynomial lr_scheduler decays to 1e-07"):
+        load_config(preset, [f"optim.lr={lr}"])
+    assert load_config(preset, ["optim.lr=1.1e-7"]).optim.lr == 1.1e-7
+    assert load_config(preset, ["optim.lr=0", "optim.lr_scheduler=linear"]).optim.lr == 0
+
+
 def test_a_preset_that_does_not_merge_onto_its_base_names_the_file(tmp_path):
     write(tmp_path / "root.yaml", {"pipeline": "toy_bandit:PIPELINE", "rewards": [{"name": "toy"}]})
     leaf = write(tmp_path / "leaf.yaml", {"base": "root.yaml", "rewards": {"name": "x"}})
