@@ -37,7 +37,8 @@ PRESETS = ("flow_grpo", "dance_grpo", "mixgrpo", "mixgrpo_flash", "branch", "tem
 
 
 def run_preset(name: str, output_dir: str) -> dict[str, Any]:
-    """Train preset ``name`` for its pipeline's budget of training time; return its row (curve included)."""
+    """Train preset ``name`` for its pipeline's budget of training time; return its row (curve included).
+    KeyboardInterrupt when a signal (Ctrl-C) stopped the training first."""
     from mmgrpo.config import load_config
     from mmgrpo.demo import DEMOS, HONESTY_MEASURES, REPO, evaluate
     from mmgrpo.trainer import Trainer
@@ -77,6 +78,8 @@ def run_preset(name: str, output_dir: str) -> dict[str, Any]:
         return done
 
     trainer.train(should_stop=should_stop)
+    if trainer.interrupted:  # a run cut short has no final model: stop the bench rather than report it
+        raise KeyboardInterrupt(f"{name} stopped by {trainer.interrupted} at step {trainer.step}")
     row = {"preset": name, "pipeline": which, "metric": spec.metric, "before": before[spec.metric],
            "after": last[spec.metric], "train_minutes": clock["train_s"] / 60, "steps": clock["steps"],
            "curve": curve}

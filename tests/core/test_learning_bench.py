@@ -69,3 +69,31 @@ def test_an_out_path_under_a_file_is_a_one_line_error_before_running(tmp_path, c
     (tmp_path / "notes.txt").write_text("")
     assert main(["bench", "rewards", "--out", str(tmp_path / "notes.txt" / "B.json")]) == 2
     assert capsys.readouterr().err.startswith(f"--out {tmp_path / 'notes.txt' / 'B.json'}: cannot write")
+
+
+def test_ctrl_c_during_a_preset_stops_the_bench(monkeypatch):
+    """A first Ctrl-C makes the trainer finish its step and return; the bench then read the row of a run cut short
+    (a KeyError before the first mark, a truncated curve reported as the final model after it) and went on to the
+    next preset. It now stops with KeyboardInterrupt, which the CLI turns into 'interrupted' and exit 130."""
+    import os
+    import signal
+
+    import mmgrpo.config
+    from mmgrpo import learning
+    from mmgrpo.trainer import Trainer
+
+    small = ["data.num_eval=2", "train.prompts_per_step=2", "train.group_size=2", "train.micro_batch_size=4",
+             "num_threads=1"]
+    real_load, real_step, real_run = mmgrpo.config.load_config, Trainer.train_on_rollout, learning.run_preset
+    monkeypatch.setattr(mmgrpo.config, "load_config", lambda path, overrides: real_load(path, [*overrides, *small]))
+
+    def step_then_ctrl_c(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives during the step: the trainer's handler asks it to stop
+        return real_step(self, *args, **kwargs)
+
+    started = []
+    monkeypatch.setattr(Trainer, "train_on_rollout", step_then_ctrl_c)
+    monkeypatch.setattr(learning, "run_preset", lambda name, out: started.append(name) or real_run(name, out))
+    with pytest.raises(KeyboardInterrupt):
+        learning.learning(("flow_grpo", "mixgrpo"))
+    assert started == ["flow_grpo"]
