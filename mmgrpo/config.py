@@ -361,17 +361,24 @@ def _closest(key: str, candidates: list[str]) -> str:
     return f" (closest valid key: '{best}')"
 
 
-def check_key(key: str, schema: type) -> None:
-    """Raise ConfigError when the dotted ``key`` is not in ``schema`` (keys below open dicts and list indices pass)."""
+def check_key(key: str, schema: type, prefix: str = "") -> None:
+    """Raise ConfigError when the dotted ``key`` is not in ``schema`` (keys below open dicts and list indices pass;
+    below an index of a list of sections, ``rewards.0.weight``, the rest is checked against the section).
+    ``prefix``: the path of the section ``schema`` is, for the message."""
     keys = valid_keys(schema)
     parts = key.split(".")
     for i in range(len(parts), 0, -1):
         head = ".".join(parts[:i])
         if head in keys:
-            if i == len(parts) or keys[head] or parts[i].isdigit():
+            if i == len(parts) or keys[head]:
+                return
+            if parts[i].isdigit():
+                item = field_type(f"{head}.{parts[i]}", schema)
+                if dataclasses.is_dataclass(item) and i + 1 < len(parts):
+                    check_key(".".join(parts[i + 1:]), item, f"{prefix}{head}.{parts[i]}.")
                 return
             break
-    raise ConfigError(f"unknown key '{key}'{_closest(key, list(keys))}")
+    raise ConfigError(f"unknown key '{prefix}{key}'{_closest(prefix + key, [prefix + k for k in keys])}")
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -464,24 +471,32 @@ def check_sections(data: dict, schema: type, prefix: str = "") -> None:
             if not isinstance(value, dict):
                 raise ConfigError(f"bad value for '{key}': expected a mapping of its keys (a section), got "
                                   f"{value!r}")
+            if key.rpartition(".")[2].isdigit():  # an item of a list of sections, by an override (rewards.0={...})
+                check_item_keys(value, tp, key)
             check_sections(value, schema, key + ".")
         elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]) \
                 and isinstance(value, list):
             item_type = typing.get_args(tp)[0]
-            names = [f.name for f in dataclasses.fields(item_type)]
             for i, item in enumerate(value):
                 if not isinstance(item, dict):
                     continue
-                unknown = next((k for k in item if k not in names), None)
-                if unknown is not None:
-                    close = difflib.get_close_matches(str(unknown), names, n=1)
-                    hint = f" (closest: '{close[0]}')" if close else f" (valid: {', '.join(names)})"
-                    raise ConfigError(f"unknown key '{key}.{i}.{unknown}'{hint}")
+                check_item_keys(item, item_type, f"{key}.{i}")
                 check_sections(item, schema, f"{key}.{i}.")
                 try:  # a whole list is typed item by item with no path: name it here
                     OmegaConf.merge(OmegaConf.structured(item_type), item)
                 except OmegaConfBaseException as err:
                     raise ConfigError(_omegaconf_message(err, item_type, f"{key}.{i}.")) from err
+
+
+def check_item_keys(item: dict, item_type: type, path: str) -> None:
+    """Raise ConfigError for the first key of ``item`` (the mapping of list item ``path``, ``rewards.0``) that the
+    section ``item_type`` does not have, with the closest of its keys."""
+    names = [f.name for f in dataclasses.fields(item_type)]
+    unknown = next((k for k in item if k not in names), None)
+    if unknown is not None:
+        close = difflib.get_close_matches(str(unknown), names, n=1)
+        hint = f" (closest: '{close[0]}')" if close else f" (valid: {', '.join(names)})"
+        raise ConfigError(f"unknown key '{path}.{unknown}'{hint}")
 
 
 def _omegaconf_message(err: OmegaConfBaseException, schema: type, prefix: str = "") -> str:

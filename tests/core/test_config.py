@@ -222,6 +222,21 @@ def test_an_unknown_key_in_a_reward_item_of_a_preset_names_its_path(tmp_path):
         load_config(preset)
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ("rewards.0.wieght=2", "unknown key 'rewards.0.wieght' (closest valid key: 'rewards.0.weight')"),
+    ("rewards.0.weight.x=2", "unknown key 'rewards.0.weight.x' (closest valid key: 'rewards.0.weight')"),
+    ("rewards.0={name: format, wieght: 1}", "unknown key 'rewards.0.wieght' (closest: 'weight')"),
+])
+def test_an_unknown_key_of_a_reward_item_in_an_override_names_the_closest_item_key(tmp_path, override, message):
+    """The override forms said "closest valid key: 'rewards'" (the item's keys were not candidates), or 'bad
+    value' with OmegaConf's own sentence."""
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE", "rewards": [{"name": "format"}]})
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, [override])
+    assert str(err.value) == message
+    assert load_config(preset, ["rewards.0.weight=2", "rewards.0.args.think_tag=t"]).rewards[0].weight == 2
+
+
 def test_a_key_given_twice_in_a_preset_is_an_error_not_a_dropped_section(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("pipeline: toy_bandit:PIPELINE\ntrain:\n  max_steps: 7\noptim:\n  lr: 0.1\ntrain:\n"
