@@ -75,8 +75,9 @@ class VLMDataConfig:
     on_bad_media: str = "skip"
     """A missing or corrupt image/video: skip (count it and warn) or error (stop the run)."""
     prompt_cache_mb: float = ranged(1024.0, low=0.0)
-    """Encoded prompts (processor outputs and decoded media) kept across rollouts, per process, the least recently
-    used dropped beyond this many MB; 0 encodes every draw afresh. A run draws each prompt many times, and the same
+    """Encoded prompts (processor outputs, on the model's device, and decoded media, in CPU memory; a medium
+    shown by several prompts counts once) kept across rollouts, per process, the least recently used dropped beyond
+    this many MB; 0 encodes every draw afresh. A run draws each prompt many times, and the same
     encoding comes back (decoding and the processor are deterministic), so this only saves time: about a tenth of
     a tiny model's step on CPU."""
     max_prompt_tokens: int = ranged(4096, low=1)
