@@ -65,13 +65,15 @@ class Range:
         return above and below
 
     def __str__(self) -> str:
-        if self.low is None and self.high is None:
+        low, high = (None if v is None else str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else f"{v:g}"
+                     for v in (self.low, self.high))  # whole bounds in full (2147483647, not 2.14748e+09)
+        if low is None and high is None:
             return "a finite number"
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        if self.low is None:
-            return f"{'<' if self.high_open else '<='} {self.high:g}"
-        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if high is None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        if low is None:
+            return f"{'<' if self.high_open else '<='} {high}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
 
 
 def ranged(default: Any = dataclasses.MISSING, *, low: float | None = None, high: float | None = None,
@@ -275,8 +277,8 @@ class BaseConfig:
     """Which pipeline (registry ``PIPELINES``) builds the policy and data: flow, vlm, or a registered one."""
     output_dir: str = "runs/default"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, samples/, plots/."""
-    seed: int = ranged(0, low=0)
-    """Seed for every random generator; each process adds its rank."""
+    seed: int = ranged(0, low=0, high=2**31 - 1)
+    """Seed for every random generator; each process adds its rank (numpy takes seeds below 2**32)."""
     num_threads: int = ranged(0, low=0)
     """torch CPU threads per process; 0 keeps torch's default (one per core). Tiny CPU runs on a shared machine
     are often faster with 1."""

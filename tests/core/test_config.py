@@ -331,6 +331,19 @@ def test_a_range_holds_its_values_and_says_what_they_are(allowed, text, inside, 
     assert not any(allowed.holds(v) for v in outside)
 
 
+def test_a_seed_beyond_what_numpy_takes_is_refused_at_load(tmp_path):
+    """accelerate's set_seed seeds numpy, which takes seeds below 2**32 and raised a ValueError traceback when the
+    trainer started (seed + rank: the last seeds crash only the other processes)."""
+    from accelerate.utils import set_seed
+
+    with pytest.raises(ValueError, match="2\\*\\*32"):
+        set_seed(2**32)
+    preset = write(tmp_path / "p.yaml", {"pipeline": "toy_bandit:PIPELINE"})
+    with pytest.raises(ConfigError, match=r"^bad value for 'seed': must be in \[0, 2147483647\], got 4294967296$"):
+        load_config(preset, [f"seed={2**32}"])
+    assert load_config(preset, [f"seed={2**31 - 1}"]).seed == 2**31 - 1
+
+
 def just_outside(allowed: Range, integer: bool) -> float:
     """A value next to the range, on the side of its lower bound (or upper, when it has none below)."""
     if allowed.low is not None:
