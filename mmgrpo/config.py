@@ -501,11 +501,16 @@ def check_item_keys(item: dict, item_type: type, path: str) -> None:
         raise ConfigError(f"unknown key '{path}.{unknown}'{hint}")
 
 
+def dotted_key(key: str) -> str:
+    """An OmegaConf key path with its list indices dotted: ``rewards[1].name`` -> ``rewards.1.name``."""
+    return re.sub(r"\[(\d+)\]", r".\1", key)
+
+
 def _omegaconf_message(err: OmegaConfBaseException, schema: type, prefix: str = "") -> str:
     """One line for an OmegaConf error of ``schema`` that names its dotted key (list indices as ``.0``, not
     ``[0]``), with ``prefix`` before it: the path of the section ``schema`` is."""
     key = getattr(err, "full_key", None) or getattr(err, "key", None) or ""
-    key = prefix + re.sub(r"\[(\d+)\]", r".\1", str(key)) if key else ""
+    key = prefix + dotted_key(str(key)) if key else ""
     text = " ".join(str(err).split("\n")[0].split())
     if type(err).__name__ == "ConfigKeyError" and key:
         return f"unknown key '{key}'{_closest(str(key), list(valid_keys(schema)))}"
@@ -601,7 +606,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), schem
             OmegaConf.update(cfg, key, value, merge=True)
         missing = sorted(OmegaConf.missing_keys(cfg))
         if missing:
-            raise ConfigError(f"missing required key '{missing[0]}'")
+            raise ConfigError(f"missing required key '{dotted_key(missing[0])}'")
         obj = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         raise ConfigError(_omegaconf_message(err, schema)) from err

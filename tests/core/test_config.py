@@ -237,6 +237,16 @@ def test_an_unknown_key_of_a_reward_item_in_an_override_names_the_closest_item_k
     assert load_config(preset, ["rewards.0.weight=2", "rewards.0.args.think_tag=t"]).rewards[0].weight == 2
 
 
+@pytest.mark.parametrize("override", ["rewards=[{name: format}, {weight: 2}]", None])
+def test_a_missing_key_of_a_list_item_is_named_dotted(tmp_path, override):
+    """OmegaConf names it 'rewards[1].name'; every other message, and the overrides, say rewards.1.name."""
+    preset = tmp_path / "p.yaml"
+    preset.write_text("pipeline: toy_bandit:PIPELINE\nrewards: [{name: format}, {weight: 2}]\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(preset, [override] if override else [])
+    assert str(err.value) == "missing required key 'rewards.1.name'"
+
+
 def test_a_key_given_twice_in_a_preset_is_an_error_not_a_dropped_section(tmp_path):
     preset = tmp_path / "p.yaml"
     preset.write_text("pipeline: toy_bandit:PIPELINE\ntrain:\n  max_steps: 7\noptim:\n  lr: 0.1\ntrain:\n"
