@@ -23,10 +23,17 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, GradientAccumulationPlugin, gather_object, set_seed
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    GradientAccumulationPlugin,
+    InitProcessGroupKwargs,
+    gather_object,
+    set_seed,
+)
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
+from transformers.integrations import unset_hf_deepspeed_config
 
 from mmgrpo import checkpoint
 from mmgrpo.config import BaseConfig, ConfigError, to_dict, to_yaml
@@ -56,7 +63,15 @@ from mmgrpo.policy import (
 from mmgrpo.registry import POLICY_LOSSES
 from mmgrpo.rewards import RewardZoo
 from mmgrpo.schedule import projected_end, replanned_end, warp_schedule
-from mmgrpo.tracking import MetricsLog, plot_metrics, print_whole, read_metrics, redraw_due, summary_table
+from mmgrpo.tracking import (
+    MetricsLog,
+    plain_scalar,
+    plot_metrics,
+    print_whole,
+    read_metrics,
+    redraw_due,
+    summary_table,
+)
 
 POLICY_STATE_FILE = "policy_state.safetensors"
 """Checkpoint file of :meth:`Policy.training_state`, written when the policy has any."""
@@ -67,17 +82,43 @@ REPLAN_EVERY = 0.05
 
 
 def make_accelerator(cfg: BaseConfig) -> Accelerator:
-    """An Accelerator for this run. On a machine without CUDA it runs on CPU (gloo for several processes).
+    """An Accelerator for this run. On a machine without CUDA it runs on CPU (gloo for several processes), under
+    DeepSpeed too when the launcher asks for it (DeepSpeed's CPU accelerator; ``Accelerator(cpu=True)`` would drop
+    DeepSpeed without a word).
 
     The LR scheduler is stepped exactly once per optimiser step whatever the process count, and losses are not
     divided by a launcher's gradient accumulation steps: the trainer accumulates each update's micro-batches itself,
-    with loss weights that already average over the whole update."""
-    acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=cfg.train.mixed_precision,
-                      step_scheduler_with_optimizer=False,
+    with loss weights that already average over the whole update. Under ZeRO-3, models load whole (see
+    :func:`partitioned_at_load`)."""
+    deepspeed_on_cpu = (not torch.cuda.is_available()
+                        and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")
+    acc = Accelerator(cpu=not torch.cuda.is_available() and not deepspeed_on_cpu,
+                      kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else None,
+                      mixed_precision=cfg.train.mixed_precision, step_scheduler_with_optimizer=False,
                       gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=1))
     if acc.state.deepspeed_plugin is not None:
         configure_deepspeed(acc.state.deepspeed_plugin, cfg)
+        unset_hf_deepspeed_config()
     return acc
+
+
+@contextmanager
+def partitioned_at_load(acc: Accelerator) -> Iterator[None]:
+    """Inside, transformers' ``from_pretrained`` partitions weights as they load (``deepspeed.zero.Init``) when the
+    launcher set ZeRO-3 with ``zero3_init_flag: true``; otherwise, and everywhere outside, models load whole.
+
+    accelerate registers its ZeRO-3 config with transformers whatever ``zero3_init_flag`` says, and every
+    ``from_pretrained`` would partition: the frozen KL reference, a reward model or a text encoder that no engine
+    gathers would hold empty shards. :func:`make_accelerator` unregisters it; the trainer builds the policy in here."""
+    plugin = acc.state.deepspeed_plugin
+    if plugin is None or plugin.zero_stage != 3 or not plugin.zero3_init_flag:
+        yield
+        return
+    plugin.set_deepspeed_weakref()
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -112,15 +153,38 @@ def merge_scores(scores: list[dict[str, torch.Tensor]], rows: list[torch.Tensor]
     return {name: torch.cat([column(part, name, r) for part, r in zip(scores, rows)]) for name in names}
 
 
+def merge_metric_rows(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """One metrics row from the processes' ``rows``: each key's mean over the rows that have it as a number (a
+    Python, numpy or 0-d tensor scalar), or for ``*max_dev`` keys the maximum over those that measured one (NaN
+    only when none did). Other values are left out."""
+    merged: dict[str, list[float]] = {}
+    for row in rows:
+        for k, v in row.items():
+            v = plain_scalar(v)
+            if isinstance(v, (int, float)):
+                merged.setdefault(k, []).append(float(v))
+    return {k: (max((x for x in v if not math.isnan(x)), default=math.nan) if "max_dev" in k else sum(v) / len(v))
+            for k, v in merged.items()}
+
+
 def configure_deepspeed(plugin: DeepSpeedPlugin, cfg: BaseConfig) -> None:
     """Fill the DeepSpeed config from the run's, before ``prepare``, replacing the launcher file's values:
     ``gradient_clipping`` = ``optim.max_grad_norm`` (0 = none; under DeepSpeed the engine clips, and accelerate's
     ``clip_grad_norm_`` only reads the norm back), ``train_micro_batch_size_per_gpu`` = ``train.micro_batch_size``
-    (accelerate reads it from a dataloader, and the trainer prepares none), and ``gradient_accumulation_steps`` = 1
-    (the engine would divide every loss by it; the trainer accumulates each update's micro-batches itself)."""
+    (accelerate reads it from a dataloader, and the trainer prepares none), ``gradient_accumulation_steps`` = 1
+    (the engine would divide every loss by it; the trainer accumulates each update's micro-batches itself), and
+    ``train_batch_size`` = "auto", which ``prepare`` fills as micro-batch x processes (DeepSpeed refuses any other
+    value: one from a DeepSpeed JSON file, or from an earlier trainer's ``prepare`` in this process). Under bf16,
+    ``bf16.check_grad_overflow`` = true: the engine steps inside accelerate's ``backward``, before the trainer reads
+    the gradient norm, so the engine must skip a non-finite update itself (fp16 always does; fp32 does from
+    DeepSpeed 0.19.8, the floor of the ``deepspeed`` extra)."""
     plugin.deepspeed_config["gradient_clipping"] = float(cfg.optim.max_grad_norm)
     plugin.deepspeed_config["gradient_accumulation_steps"] = 1
     plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = int(cfg.train.micro_batch_size)
+    plugin.deepspeed_config["train_batch_size"] = "auto"
+    bf16 = plugin.deepspeed_config.get("bf16")
+    if bf16 is not None and bf16.get("enabled") not in (False, "false"):
+        bf16["check_grad_overflow"] = True
 
 
 class Trainer:
@@ -149,7 +213,10 @@ class Trainer:
             raise ConfigError(f"bad value for 'grpo.oversample_prompts': {cfg.grpo.oversample_prompts} must be "
                               f"divisible by the {acc.num_processes} processes")
         set_seed(cfg.seed, device_specific=True)
-        self.policy = policy if policy is not None else build_policy(cfg)
+        if policy is None:
+            with partitioned_at_load(acc):
+                policy = build_policy(cfg)
+        self.policy = policy
         self.rewards = RewardZoo(cfg.rewards)
         self.loss_fn = POLICY_LOSSES.get(cfg.grpo.loss)
         named = [(n, p) for n, p in self.policy.model.named_parameters() if p.requires_grad]
@@ -300,14 +367,15 @@ class Trainer:
         return end
 
     def apply_optim_config(self) -> None:
-        """Make the restored optimiser and LR schedule follow ``optim.*`` of this run: AdamW's betas, eps and weight
-        decay, and the schedule's peak ``lr`` at its restored position (the moments and step counts stay). With an
-        unchanged config the state stays as restored (to float rounding)."""
+        """Make the restored optimiser and LR schedule follow ``optim.*`` and ``train.max_steps`` of this run:
+        AdamW's betas, eps and weight decay, and the lr of this run's schedule (peak ``lr``, horizon) at the restored
+        position (the moments and step counts stay). With an unchanged config the state stays as restored (to float
+        rounding)."""
         o = self.cfg.optim
         schedule = getattr(self.scheduler, "scheduler", self.scheduler)  # inside accelerate's wrapper
-        for i, group in enumerate(self.optimizer.param_groups):  # the schedules scale the peak lr by a factor
-            scale = group["lr"] / schedule.base_lrs[i] if schedule.base_lrs[i] else 0.0
-            group.update(lr=o.lr * scale, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        for group, factor in zip(self.optimizer.param_groups, schedule.lr_lambdas):  # LambdaLR: peak lr x factor
+            group.update(lr=o.lr * factor(schedule.last_epoch), betas=tuple(o.betas), eps=o.eps,
+                         weight_decay=o.weight_decay)
         schedule.base_lrs = [o.lr] * len(schedule.base_lrs)
 
     def check_resumed_config(self, path: Path) -> None:
@@ -620,6 +688,7 @@ class Trainer:
                              "a non-finite loss: look at the rewards and advantages of this step")
                     warnings.warn(f"step {self.step + 1}: the gradient norm is {float(grad_norm)} ({cause}); the "
                                   f"update is skipped ({self.skipped_updates} so far)", RuntimeWarning, stacklevel=2)
+                lr = self.optimizer.param_groups[0]["lr"]  # the lr this update used
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.ema is not None:
@@ -640,7 +709,7 @@ class Trainer:
                     "loss": sums["loss"],
                     "kl": kl_sum / max(units, 1.0),
                     "ratio/onpolicy_max_dev": onpolicy_dev,
-                    "lr": self.scheduler.get_last_lr()[0],
+                    "lr": lr,
                     "inner_epoch": epoch,
                 })
                 if entropy_reported:
@@ -688,13 +757,7 @@ class Trainer:
         reduced over the processes that have it."""
         if self.accelerator.num_processes == 1:
             return metrics
-        merged: dict[str, list[float]] = {}
-        for part in gather_object([metrics]):
-            for k, v in part.items():
-                if isinstance(v, (int, float)) and v is not None:
-                    merged.setdefault(k, []).append(float(v))
-        return {k: (max((x for x in v if not math.isnan(x)), default=math.nan) if "max_dev" in k else sum(v) / len(v))
-                for k, v in merged.items()}
+        return merge_metric_rows(gather_object([metrics]))
 
     # ----------------------------------------------------------------------------------------- the loop
     @contextmanager

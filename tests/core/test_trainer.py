@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -33,7 +34,7 @@ from mmgrpo.policy import (
 )
 from mmgrpo.registry import import_path
 from mmgrpo.tracking import read_metrics
-from mmgrpo.trainer import Trainer, check_batch_layout, configure_deepspeed
+from mmgrpo.trainer import Trainer, check_batch_layout, configure_deepspeed, merge_metric_rows
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
 QUIET = ["logging.progress=false", "logging.tensorboard=false", "logging.plot_every=0"]
@@ -95,6 +96,25 @@ def test_deepspeed_takes_the_runs_clipping_and_micro_batch(tmp_path):
     configure_deepspeed(plugin, toy(tmp_path, "optim.max_grad_norm=5.0", "train.micro_batch_size=2"))
     assert plugin.deepspeed_config["gradient_clipping"] == 5.0
     assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
+
+
+def test_deepspeed_fills_the_batch_size_from_the_runs_micro_batch(tmp_path):
+    """A DeepSpeed JSON file's train_batch_size (or the one an earlier trainer's prepare filled in this process)
+    disagreed with the run's micro-batch, and DeepSpeed's engine stopped on the mismatch; prepare now fills it."""
+    plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 2}, "train_batch_size": 64,
+                                           "train_micro_batch_size_per_gpu": 8})
+    configure_deepspeed(plugin, toy(tmp_path, "train.micro_batch_size=2"))
+    assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
+    assert plugin.is_auto("train_batch_size")
+
+
+def test_deepspeed_bf16_skips_a_non_finite_update_itself(tmp_path):
+    """The engine steps inside accelerate's backward, before the trainer reads the norm; DeepSpeed releases before
+    0.19.3 left bf16's overflow check off, and applied a NaN update."""
+    plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": 2}, "bf16": {"enabled": True,
+                                                                                       "check_grad_overflow": False}})
+    configure_deepspeed(plugin, toy(tmp_path))
+    assert plugin.deepspeed_config["bf16"] == {"enabled": True, "check_grad_overflow": True}
 
 
 def test_deepspeed_does_not_accumulate_over_the_runs_updates(tmp_path):
@@ -196,6 +216,21 @@ def test_an_ema_turned_on_at_a_resume_starts_from_the_restored_weights(tmp_path)
         torch.testing.assert_close(trainer.policy.model.weight.detach(), (restored["weight"] + raw) / 2)
 
 
+def test_the_logged_lr_is_the_one_each_update_used(tmp_path):
+    """Linear warm-up over 2 steps, then linear decay to step 4: the updates used 0, 1/2, 1 and 1/2 of the peak
+    (transformers' schedules start at 0). The row logged the lr after the scheduler's step, one step ahead."""
+    trainer = Trainer(toy(tmp_path, "train.max_steps=4", "optim.lr_scheduler=linear", "optim.warmup_steps=2",
+                          "optim.lr=0.1", "train.save_every=0"))
+    assert [r["lr"] for r in trainer.train()] == pytest.approx([0.0, 0.05, 0.1, 0.05], abs=1e-12)
+
+
+def test_metric_rows_of_the_processes_merge_numpy_and_tensor_scalars_too():
+    """A plug-in pipeline's numpy or 0-d tensor counter was dropped from the merged row of a multi-process run."""
+    rows = [{"loss": 1.0, "tokens": np.int64(4), "ratio/max_dev": torch.tensor(0.5), "note": "x"},
+            {"loss": 3.0, "tokens": np.float32(6.0), "ratio/max_dev": math.nan}]
+    assert merge_metric_rows(rows) == {"loss": 2.0, "tokens": 5.0, "ratio/max_dev": 0.5}
+
+
 def test_a_replanned_schedule_ends_there_and_survives_a_resume(tmp_path):
     """end_schedule_at(6) at step 3 of a 12-step cosine: the lr follows the squeezed schedule and reaches 0 at step
     6; a run stopped at step 4 and resumed from its checkpoint (past step 3, so only the checkpoint knows of the
@@ -211,14 +246,14 @@ def test_a_replanned_schedule_ends_there_and_survives_a_resume(tmp_path):
 
         return [r["lr"] for r in trainer.train(should_stop)]
 
-    lrs = run(tmp_path / "straight", 6)
-    positions = [1, 2, 3, 6, 9, 12]  # steps 4..6 cover positions 3..12 of the 12-step schedule
+    lrs = run(tmp_path / "straight", 6)  # the lr each step's update used
+    positions = [0, 1, 2, 3, 6, 9]  # steps 4..6 cover positions 3..12 of the 12-step schedule
     assert lrs == pytest.approx([0.05 * (1 + math.cos(math.pi * p / 12)) for p in positions], abs=1e-12)
     run(tmp_path / "resumed", 4)
     assert run(tmp_path / "resumed", 6, resume="latest") == pytest.approx(lrs, abs=1e-12)  # the whole metrics.jsonl
     # a resume that changes train.max_steps asks for a new horizon: the schedule as built for it
     assert run(tmp_path / "resumed", 7, resume="latest", max_steps=20)[-1] == pytest.approx(
-        0.05 * (1 + math.cos(math.pi * 7 / 20)), abs=1e-12)
+        0.05 * (1 + math.cos(math.pi * 6 / 20)), abs=1e-12)
 
 
 @pytest.mark.parametrize("scheduler, step, elapsed_s, replanned_to", [
