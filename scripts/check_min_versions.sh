@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the test suite at pyproject.toml's minimum versions: install mmgrpo into a virtualenv of its own with each
-# floor of `dependencies` and of the `video` extra pinned to its release series (`name>=X.Y` becomes
+# floor of `dependencies` and of the `video` and `deepspeed` extras pinned to its release series (`name>=X.Y` becomes
 # `name==X.Y.*`; the dev tools stay at their newest), then run pytest there with the given arguments.
 #   scripts/check_min_versions.sh                  # the whole suite (pyproject's two workers)
 #   scripts/check_min_versions.sh -n 0 tests/vlm   # one folder, in one process
@@ -21,7 +21,8 @@ import re
 import tomllib
 
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-for requirement in project["dependencies"] + project["optional-dependencies"]["video"]:
+extras = project["optional-dependencies"]
+for requirement in project["dependencies"] + extras["video"] + extras["deepspeed"]:
     print(re.sub(r">=([0-9.]+)", r"==\1.*", requirement, count=1))
 EOF
 echo "check_min_versions: pins: $(grep -v '^#' "$pins" | tr '\n' ' ')"

@@ -35,21 +35,23 @@ def one_thread():
 
 @pytest.fixture
 def launch_two_processes(support_env, tmp_path):
-    """``launch_two_processes(script, *args) -> dict``: runs ``tests/support/<script> OUT.json *args`` under
-    ``accelerate launch`` with two gloo processes (configs/accelerate/cpu_2proc.yaml) on a free rendezvous port, and
-    returns the JSON report the script writes to OUT.json."""
+    """``launch_two_processes(script, *args, launcher="cpu_2proc") -> dict``: runs ``tests/support/<script>
+    OUT.json *args`` under ``accelerate launch`` with two gloo processes on a free rendezvous port, and returns the
+    JSON report the script writes to OUT.json. ``launcher`` names the config in configs/accelerate/ (cpu_2proc:
+    DDP); one for GPUs is launched with two processes and without mixed precision."""
     import json
     import shutil
     import subprocess
 
     if shutil.which("accelerate") is None:
         pytest.skip("the accelerate launcher is not on PATH")
-    launcher = SUPPORT.parent.parent / "configs" / "accelerate" / "cpu_2proc.yaml"
     env = {**support_env, "OMP_NUM_THREADS": "1"}
 
-    def run(script, *args):
-        out = tmp_path / f"{Path(script).stem}.json"
-        cmd = ["accelerate", "launch", "--config_file", str(launcher), "--main_process_port", str(free_port()),
+    def run(script, *args, launcher="cpu_2proc"):
+        out = tmp_path / f"{Path(script).stem}-{launcher}.json"
+        config = SUPPORT.parent.parent / "configs" / "accelerate" / f"{launcher}.yaml"
+        on_cpu = [] if launcher == "cpu_2proc" else ["--num_processes", "2", "--mixed_precision", "no"]
+        cmd = ["accelerate", "launch", "--config_file", str(config), *on_cpu, "--main_process_port", str(free_port()),
                str(SUPPORT / script), str(out), *map(str, args)]
         proc = subprocess.run(cmd, env=env, cwd=SUPPORT.parent.parent, capture_output=True, text=True, timeout=300,
                               check=False)
