@@ -257,19 +257,31 @@ def math_equal(pred: str, gt: str) -> bool:
 _OPTION_LABEL_RE = re.compile(r"\s*\(?([A-Za-z])\s*[.):]")
 
 
+def option_label_ends(options: Sequence[Any]) -> list[int] | None:
+    """Where each option's letter label ends, when the options carry the labels A, B, C, ... in order (either case;
+    ``A. x``, ``(A) x``, ``A) x``, ``A: x``), as Video-R1 data does; None otherwise, and the options are texts to
+    letter anew. Texts that start like labels out of order (``["a.m.", "p.m."]``, ``["U.S.", "U.K."]``) are texts."""
+    ends = []
+    for k, text in enumerate(options):
+        m = _OPTION_LABEL_RE.match(str(text))
+        if m is None or m.group(1).upper() != chr(ord("A") + k):
+            return None
+        ends.append(m.end())
+    return ends
+
+
 def option_letters(options: Sequence[Any]) -> dict[str, str]:
     """Each option's text, normalised as :func:`normalize_choice` does, -> its letter: ``["A. red", "B. blue"]``
-    -> ``{"RED": "A", "BLUE": "B"}``. Options that do not all carry a letter label are lettered A, B, C, ... in
-    order, as the vlm pipeline's prompt shows them; a text that normalises to a single character is left out (a
-    letter answer is read as a letter)."""
+    -> ``{"RED": "A", "BLUE": "B"}``. Options without in-order labels (:func:`option_label_ends`) are lettered A, B,
+    C, ... in order, as the vlm pipeline's prompt shows them; a text that normalises to a single character is left
+    out (a letter answer is read as a letter)."""
     texts = [str(o) for o in options]
-    labelled = all(_OPTION_LABEL_RE.match(t) for t in texts)
+    ends = option_label_ends(texts) or [0] * len(texts)
     letters = {}
-    for k, text in enumerate(texts[:26]):
-        m = _OPTION_LABEL_RE.match(text) if labelled else None
-        key = normalize_choice(text[m.end():] if m else text)
+    for k, (text, end) in enumerate(zip(texts[:26], ends)):
+        key = normalize_choice(text[end:])
         if len(key) > 1:
-            letters[key] = m.group(1).upper() if m else chr(ord("A") + k)
+            letters[key] = chr(ord("A") + k)
     return letters
 
 

@@ -35,10 +35,10 @@ from mmgrpo.rewards.text_rules import (
     is_temporal_grounding,
     last_tagged,
     normalize_choice,
+    option_label_ends,
 )
 
 _CONSUMED = ("problem", "problem_type", "options", "solution", "answer", "path", "data_type", "images", "videos")
-_OPTION_LABEL = re.compile(r"\s*\(?[A-Za-z]\s*[.):]")
 _PLACEHOLDER = re.compile(r"\{(question|options|type_instruction)\}")
 _MARKER = re.compile(r"(<image>|<video>)")
 _VISION_SPECIAL = re.compile(r"<\|(?:image_pad|video_pad|vision_start|vision_end|vision_pad)\|>")
@@ -270,16 +270,17 @@ def read_task_split(source: str, split: str, n: int | None, start: int, cache_di
 
 
 def labelled(options: list[str]) -> bool:
-    """Whether every option carries a letter label (``A. x``, ``(A) x``, ``A) x``, ``A: x``), so the options are
-    shown as given; otherwise they are all labelled anew, their texts whole."""
-    return all(_OPTION_LABEL.match(o) for o in options)
+    """Whether the options carry the letter labels A, B, C, ... in order (``A. x``, ``(A) x``, ``A) x``, ``A: x``;
+    :func:`option_label_ends`), so they are shown as given; otherwise they are all labelled anew, their texts whole
+    (``["a.m.", "p.m."]`` are texts)."""
+    return option_label_ends(options) is not None
 
 
 def format_options(options: list[str]) -> str:
     """``"\\nOptions:\\nA. ...\\nB. ..."``, or ``""`` without options.
 
-    Options that all carry a letter label (``A. x``, ``(A) x``, ``A) x``, ``A: x``) are kept as given, as in Video-R1
-    data; otherwise they are labelled A, B, C, ... in order."""
+    Options that carry the labels A, B, C, ... in order (``A. x``, ``(A) x``, ``A) x``, ``A: x``) are kept as given,
+    as in Video-R1 data; otherwise they are labelled A, B, C, ... in order."""
     if not options:
         return ""
     if not labelled(options):
@@ -301,8 +302,8 @@ def rotate_options(sample: VLMSample, shift: int) -> VLMSample:
     if letter not in labels:
         raise ValueError(f"{sample.source}: cannot rotate the options, the solution {sample.solution!r} is not one "
                          f"of the option letters {labels}")
-    strip = labelled(sample.options)  # as the prompt shows them (format_options)
-    texts = [_OPTION_LABEL.sub("", o, count=1).strip() if strip else o.strip() for o in sample.options]
+    ends = option_label_ends(sample.options) or [0] * n  # as the prompt shows them (format_options)
+    texts = [o[end:].strip() for o, end in zip(sample.options, ends)]
     shift %= n
     moved = labels[(labels.index(letter) - shift) % n]
     solution = moved if inner is None else f"<answer>{moved}</answer>"

@@ -377,6 +377,12 @@ def test_accuracy_multiple_choice_reads_option_text(options, pred, gt, expected)
     assert out == [expected]
 
 
+def test_option_texts_that_start_like_labels_out_of_order_are_lettered_in_order():
+    """["a.m.", "p.m."]: "p.m." read as option P's empty text, so the answer "p.m." never meant B."""
+    meta = [{"problem_type": "multiple choice", "solution": "B", "options": ["a.m.", "p.m."]}]
+    assert score("accuracy", ["<answer>p.m.</answer>", "<answer>a.m.</answer>"], meta * 2) == [1.0, 0.0]
+
+
 def test_a_letter_wins_over_an_option_whose_text_is_a_letter():
     meta = [{"problem_type": "multiple choice", "solution": "A", "options": ["B", "A"]}]
     assert score("accuracy", ["<answer>A</answer>", "<answer>B</answer>"], meta * 2) == [1.0, 0.0]

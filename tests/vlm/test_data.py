@@ -438,6 +438,15 @@ def test_rotate_options_keeps_unlabelled_texts_whole_as_the_prompt_shows_them():
     assert one.options == ["A. France", "B. Spain", "C. U.S."] and one.solution == "C"
 
 
+@pytest.mark.parametrize("options", [["a.m.", "p.m."], ["U.S.", "U.K."], ["B. left", "A. right"]])
+def test_texts_that_start_like_labels_out_of_order_are_lettered(options):
+    """["a.m.", "p.m."] each matched a letter label, so the prompt showed them unlettered while the answer is a
+    letter; only the labels A, B, C, ... in order count as labels."""
+    s = VLMSample("When?", "multiple choice", options, "B")
+    assert format_options(s.options) == f"\nOptions:\nA. {options[0]}\nB. {options[1]}"
+    assert rotate_options(s, 1).options == [f"A. {options[1]}", f"B. {options[0]}"]
+
+
 def test_rotate_options_rejects_a_solution_that_is_not_an_option_letter():
     with pytest.raises(ValueError, match="q.jsonl:3: cannot rotate the options"):
         rotate_options(VLMSample("How many?", "numerical", [], "<answer>3</answer>", source="q.jsonl:3"), 1)
