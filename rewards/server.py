@@ -72,7 +72,15 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mmgrpo.config import ConfigError, RewardSpec, _omegaconf_message, check_sections, read_preset
+from mmgrpo.config import (
+    ConfigError,
+    RewardSpec,
+    _omegaconf_message,
+    check_ranges,
+    check_sections,
+    ranged,
+    read_preset,
+)
 
 from .base import RewardBatch
 from .clip_models import one_line
@@ -269,7 +277,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     """Address to bind: an IPv4 or IPv6 address (``::1``, ``::``) or a host name (served over IPv4). Anything but a
     loopback address (127.0.0.0/8, ``::1``, ``localhost``) requires a token."""
-    port: int = DEFAULT_PORT
+    port: int = ranged(DEFAULT_PORT, low=0, high=65535)
     """TCP port (0 = any free port)."""
     token_env: str = DEFAULT_TOKEN_ENV
     """Environment variable holding the bearer token; unset or empty = no token (loopback only)."""
@@ -300,6 +308,7 @@ def load_server_config(path: str | os.PathLike) -> ServerConfig:
     for i, spec in enumerate(cfg.rewards):
         if spec.name in ("", "???"):
             raise ConfigError(f"missing required key 'rewards.{i}.name'")
+    check_ranges(cfg)
     return cfg
 
 

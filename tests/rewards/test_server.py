@@ -490,6 +490,10 @@ def test_server_config_loading(tmp_path):
     typed.write_text("rewards: [{name: sharpness}, {name: sharpness, weight: abc}]\n")
     with pytest.raises(ConfigError, match="bad value for 'rewards.1.weight'"):
         load_server_config(typed)
+    far = tmp_path / "far.yaml"  # stopped `serve-rewards` with an OverflowError traceback from the socket
+    far.write_text("server: {port: 70000}\nrewards: [{name: sharpness}]\n")
+    with pytest.raises(ConfigError, match=r"bad value for 'server.port': must be .*65535.*, got 70000"):
+        load_server_config(far)
     empty = tmp_path / "empty.yaml"
     empty.write_text("server: {port: 1}\n")
     with pytest.raises(ConfigError, match="missing required key 'rewards'"):
