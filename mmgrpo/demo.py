@@ -485,16 +485,21 @@ def comparison_table(spec: DemoSpec, before: dict[str, float], after: dict[str, 
     table = Table(title=f"held-out {spec.task}: before and after GRPO")
     for col in ("measure", "before", "after", "change"):
         table.add_column(col, justify="left" if col == "measure" else "right")
-    for name, b, a in table_rows(before, after, spec.metric):
-        table.add_row(name, f"{b:.3f}", f"{a:.3f}", f"{a - b:+.3f}" if math.isfinite(a - b) else "n/a")
+    for row in table_rows(before, after, spec.metric):
+        table.add_row(*row)
     return table
 
 
-def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -> list[tuple[str, float, float]]:
-    """(name, before, after) with the headline metric first, then the honesty measures, then the sub-scores."""
+def table_rows(before: dict[str, float], after: dict[str, float], metric: str) -> list[tuple[str, str, str, str]]:
+    """(name, before, after, change) as printed, the headline metric first, then the honesty measures, then the
+    sub-scores; "n/a" for a value that could not be measured (NaN)."""
+    def shown(x: float, sign: str = "") -> str:
+        return f"{x:{sign}.3f}" if math.isfinite(x) else "n/a"
+
     order = [metric] + [k for k in HONESTY_MEASURES if k in before]
     order += sorted(k for k in before if k not in order)
-    return [(k, before[k], after.get(k, float("nan"))) for k in order]
+    rows = [(k, before[k], after.get(k, math.nan)) for k in order]
+    return [(k, shown(b), shown(a), shown(a - b, "+")) for k, b, a in rows]
 
 
 def complete_pipeline(weights: Path, base: Path) -> None:
@@ -598,8 +603,7 @@ def write_report(out: Path, which: str, spec: DemoSpec, cfg: Any, before: dict[s
                      "never learned to read rotated ones and scores only its numeric questions there; then "
                      "`answer_diversity` and the per-kind rows show whether a gain is a letter habit.\n"
                      if "circular_accuracy" in before else "")
-    rows = "\n".join(f"| {name} | {b:.3f} | {a:.3f} | {a - b:+.3f} |"
-                     for name, b, a in table_rows(before, after, spec.metric))
+    rows = "\n".join(f"| {' | '.join(row)} |" for row in table_rows(before, after, spec.metric))
     schedule = cfg.optim.lr_scheduler
     if not schedule.startswith("constant"):
         schedule += f" decay over {cfg.train.max_steps} steps" + (

@@ -352,3 +352,10 @@ def test_demo_does_not_clear_a_folder_that_only_happens_to_hold_a_report_md(tmp_
     (earlier / "report.md").write_text("# mmgrpo demo flow\n")
     demo.clear_output_dir(earlier)
     assert [p.name for p in earlier.iterdir()] == [demo.DEMO_MARKER]
+
+
+def test_a_measure_that_could_not_be_taken_reads_n_a_in_both_tables():
+    """report.md wrote "nan" and "+nan" where the printed table said "n/a" (a measure with no value)."""
+    rows = demo.table_rows({"accuracy": 0.5, "diversity": float("nan")}, {"accuracy": 0.75, "diversity": 3.0},
+                           "accuracy")
+    assert rows == [("accuracy", "0.500", "0.750", "+0.250"), ("diversity", "n/a", "3.000", "n/a")]
