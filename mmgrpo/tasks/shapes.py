@@ -15,8 +15,9 @@ the image side, so it does not depend on the resolution:
 - "A left of B": B's box centre is right of A's by at least their half-sizes plus ``GAP``, and the vertical offset is
   at most half the horizontal one (likewise for the other relations).
 
-Edges are antialiased (drawn at 4x and box-filtered). Layouts are drawn by rejection sampling, so they are uniform
-over the valid ones.
+Edges are antialiased (drawn at 4x and box-filtered). Layouts are drawn by rejection sampling: each size uniform in
+its range and each centre uniform within the margins its size leaves, the whole layout redrawn until it is valid
+(that distribution conditioned on validity; not uniform over valid layouts, since a larger size leaves less room).
 
 Held-out split (compositions never seen in training; colour index c, shape index s in the orders below):
 

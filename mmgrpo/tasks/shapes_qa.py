@@ -9,8 +9,8 @@ Both tasks draw with the seeded generators of :mod:`mmgrpo.pipelines.vlm.synthet
   appear in the video?" (numerical, 1-4; the shapes appear one after the other, every 2 frames).
 
 Every item carries ``solution`` (``<answer>X</answer>``) and ``think``, the short reasoning of the SFT target
-``<think>{think}</think><answer>X</answer>``. The think text never starts with the answer's word, so the word is
-tokenised as in the options (``" green"``, not ``"green"``).
+``<think>{think}</think><answer>X</answer>``. In option questions the think text never starts with the answer's word,
+so the word is tokenised as in the options (``" green"``, not ``"green"``); a count's think text may start with it.
 
 Options are listed in a fixed vocabulary order (``VOCABULARY``: colours, then shapes, then directions), not
 shuffled: in colour, shape and direction questions a letter always names the same word (A is red in every colour

@@ -57,7 +57,8 @@ def _apart(a: dict, b: dict, gap: float) -> bool:
 
 
 def random_scene(count: int, size: int = 64, seed: int = 0, distinct: bool = False) -> list[dict]:
-    """``count`` non-overlapping random objects (see :func:`draw_scene`), uniform over valid layouts.
+    """``count`` non-overlapping random objects (see :func:`draw_scene`): radii and centres drawn uniformly (centres
+    within the margins each radius leaves), the whole layout redrawn until no two objects overlap.
 
     With ``distinct``, no two objects share a colour or a shape (so ``count <= 3``). Deterministic in ``seed``."""
     if distinct and count > len(SHAPES):
