@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -414,9 +415,17 @@ def one_line_warning(message: Warning | str, category: type[Warning], *_: Any, *
     return f"{category.__name__}: {message}\n"
 
 
+def without_cpu_fallback_notice(record: logging.LogRecord) -> bool:
+    """A filter for DeepSpeed's logger: drops the notice it logs when it is imported on a machine without an
+    accelerator ("Setting accelerator to CPU..."), which accelerate's ``unwrap_model`` prints in every CPU run with
+    DeepSpeed installed (the ``dev`` extra), DeepSpeed launch or not."""
+    return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     warnings.formatwarning = one_line_warning
+    logging.getLogger("DeepSpeed").addFilter(without_cpu_fallback_notice)
     try:
         return args.fn(args)
     except KeyboardInterrupt:  # a second Ctrl-C, after the run's own handler saved and began to stop

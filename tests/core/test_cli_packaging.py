@@ -239,3 +239,19 @@ def test_demo_minutes_must_be_a_finite_number_of_minutes(minutes, capsys):
     with pytest.raises(SystemExit) as done:
         main(["demo", "--minutes", minutes])
     assert done.value.code == 2 and "must be a number of minutes >= 0" in capsys.readouterr().err
+
+
+def test_a_cpu_run_with_deepspeed_installed_prints_no_accelerator_notice():
+    """With DeepSpeed installed (the dev extra), accelerate's unwrap_model imports it in every run, and on a machine
+    without an accelerator DeepSpeed logged "Setting accelerator to CPU. If you have GPU ..." into the demo's output;
+    the command line filters that one notice out of DeepSpeed's logger."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (the dev extra installs it on Linux)")
+    code = ("import torch, sys\n"
+            "from mmgrpo.cli import main\n"
+            "main(['rewards'])\n"
+            "import deepspeed\n"
+            "print('cuda' if torch.cuda.is_available() else 'cpu', file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    if proc.stderr.strip().endswith("cuda"):
+        pytest.skip("a CUDA machine: DeepSpeed logs no CPU notice there")
+    assert "Setting accelerator" not in proc.stderr + proc.stdout, proc.stderr
