@@ -68,6 +68,14 @@ _warned: set[tuple[str, str]] = set()
 """(backend, reason) pairs already warned about in this process: each fallback is reported once."""
 
 
+def input_dtype(model: nn.Module, configured: torch.dtype) -> torch.dtype:
+    """The dtype a forward of ``model`` takes its inputs in: ``configured`` (the adapter's :attr:`dtype`) while
+    some floating weight of ``model`` is in it (a bf16 base may hold fp32 LoRA weights and fp32 norms); that of
+    its first weight once none is, as after DeepSpeed's bf16 or fp16 cast every weight it trains."""
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return configured if configured in dtypes or not dtypes else dtypes[0]
+
+
 def check_autocast(model_dtype: str, autocast: torch.dtype | None) -> None:
     """ConfigError when weights in ``model_dtype`` (a key of :data:`DTYPES`) cannot run under ``autocast``, the
     dtype forwards autocast to (None: no autocast). torch's autocast rejects float16 and bfloat16 inputs mixed in one
@@ -478,6 +486,17 @@ class FlowAdapter:
         """One transformer forward: x in the model dtype, returns the raw prediction."""
         raise NotImplementedError
 
+    def _run(self, model: nn.Module, x: Tensor, timestep: Tensor, embeds: dict[str, Tensor],
+             guidance_scale: float) -> Tensor:
+        """:meth:`_forward` with ``x`` and the floating prompt embeddings in the dtype of ``model``'s weights
+        (:func:`input_dtype`), which may differ from :attr:`dtype`: DeepSpeed's bf16 or fp16 casts the weights it
+        trains (and not a full fine-tune's frozen reference) instead of running under autocast."""
+        dtype = input_dtype(model, self.dtype)
+        if x.dtype != dtype:
+            x = x.to(dtype)
+            embeds = {k: v.to(dtype) if v.is_floating_point() else v for k, v in embeds.items()}
+        return self._forward(model, x, timestep, embeds, guidance_scale)
+
     def _model_inputs(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds,
                       guidance_scale: float) -> tuple[Tensor, Tensor, bool]:
         """(latents in the model dtype, timesteps (n,), whether CFG applies), with the shapes checked."""
@@ -500,7 +519,7 @@ class FlowAdapter:
         if not cfg:
             return None
         model = self.transformer if transformer is None else transformer
-        return self._forward(model, x, t, embeds.uncond, guidance_scale).float()
+        return self._run(model, x, t, embeds.uncond, guidance_scale).float()
 
     @torch.no_grad()
     def fused_cfg_velocities(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float,
@@ -513,7 +532,7 @@ class FlowAdapter:
                              "does not use it with this model")
         model = self.transformer if transformer is None else transformer
         both = {k: torch.cat([embeds.cond[k], embeds.uncond[k]]) for k in embeds.cond}
-        v_cond, v_uncond = self._forward(model, x.repeat(2, *[1] * (x.dim() - 1)), t.repeat(2), both,
+        v_cond, v_uncond = self._run(model, x.repeat(2, *[1] * (x.dim() - 1)), t.repeat(2), both,
                                          guidance_scale).float().chunk(2)
         return v_cond, v_uncond
 
@@ -537,7 +556,7 @@ class FlowAdapter:
                 raise RuntimeError("velocity(fused_cfg=True) runs without grad; call it under torch.no_grad()")
             v_cond, v_uncond = self.fused_cfg_velocities(latents, sigma, embeds, guidance_scale, model)
             return self.guided(v_cond, v_uncond, sigma, guidance_scale)
-        v = self._forward(model, x, t, embeds.cond, guidance_scale).float()
+        v = self._run(model, x, t, embeds.cond, guidance_scale).float()
         if not cfg:
             return v
         if uncond is None:

@@ -198,6 +198,24 @@ def test_flux_without_guidance_embedding_is_the_stock_pipeline_with_true_cfg(tin
     torch.testing.assert_close(ours, stock, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["sd3", "flux", "wan"])
+def test_a_transformer_in_bf16_takes_the_fp32_inputs(kind, adapter_of):
+    """DeepSpeed's bf16 casts the weights it trains, not the adapter's inputs (no autocast), and every forward
+    stopped on "Input type (float) and bias type (BFloat16)"; the inputs follow the weights' dtype, so a bf16
+    copy and the fp32 model (a full fine-tune's frozen reference) both run, and agree to bf16 rounding."""
+    import copy
+
+    ad, g = adapter_of(kind), GUIDANCE[kind]
+    x, sigma = inputs(ad, 2)
+    e = ad.encode(["bf16 one", "bf16 two"], "", g)
+    half = copy.deepcopy(ad.transformer).to(torch.bfloat16)
+    with torch.no_grad():
+        v_half = ad.velocity(x, sigma, e, g, transformer=half)
+        v = ad.velocity(x, sigma, e, g)
+    assert v_half.dtype == v.dtype == torch.float32
+    assert (v_half - v).abs().max() <= 0.05 * v.abs().max()
+
+
 @pytest.mark.parametrize("kind", ["sd3", "wan"])
 def test_cfg_is_the_manual_combination_and_the_unconditional_branch_carries_no_grad(kind, adapter_of):
     ad, g = adapter_of(kind), GUIDANCE[kind]
