@@ -282,6 +282,16 @@ def test_temporal_iou(answer, expected):
     assert out == [pytest.approx(expected)]
 
 
+@pytest.mark.parametrize("answer, expected", [
+    ("[3, 3]", 1.0),  # the same point: union 0, the IoU is 1
+    ("[5, 5]", 0.0),  # another point: union 0 too, the IoU is 0
+    ("[2, 4]", 0.0),  # an interval around the point: intersection 0 over union 2
+])
+def test_temporal_iou_of_a_point_ground_truth(answer, expected):
+    out = score("temporal_iou", [f"<answer>{answer}</answer>"], [{"solution": [3, 3]}])
+    assert out == [expected]
+
+
 def test_temporal_iou_ground_truth_forms_and_missing_answer():
     completions = ["<answer>[4, 8]</answer>", "<answer>[4, 8]</answer>", "[4, 8]"]
     meta = [{"solution": "<answer>[4, 8]</answer>"}, {"solution": "4.0 - 8.0"}, {"solution": [4, 8]}]
