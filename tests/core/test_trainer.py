@@ -186,6 +186,14 @@ def test_adv_batch_norm_rescales_advantages_over_the_batch(tmp_path):
         assert abs(row["adv/mean"]) < 1e-9 and abs(row["adv/std"] - 1.0) < 1e-4, row
 
 
+def test_adv_clip_bounds_the_advantages_after_batch_norm(tmp_path):
+    """grpo.adv_clip clamps the advantages the loss sees, after adv_batch_norm: z-scores of population std 1 have
+    some |z| >= 1, so with a clip of 0.5 the largest is exactly 0.5 (clipping before the z-scoring, or not at all,
+    leaves it at 1 or more)."""
+    history = Trainer(toy(tmp_path, "train.max_steps=2", "grpo.adv_batch_norm=true", "grpo.adv_clip=0.5")).train()
+    assert [row["adv/abs_max"] for row in history] == [0.5, 0.5]
+
+
 def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
     cfg = toy(tmp_path, "train.max_steps=4", "train.ema_decay=0.9", "optim.lr=0.1")
     trainer = Trainer(cfg)
