@@ -556,6 +556,26 @@ def test_onpolicy_check_reads_masked_samples_too(tmp_path):
     assert rows[0]["ratio/max_dev"] <= 1e-6  # the ratios the loss used (unmasked rows) are exact
 
 
+@pytest.mark.parametrize("clip_high", [None, 0.3])
+def test_clip_eps_high_is_the_upper_clip_of_the_trainers_loss(tmp_path, clip_high):
+    """Old log-probs 0.25 below the policy's: every ratio is exp(0.25) = 1.284, inside the clip-higher range
+    [0.9, 1.3] but above the symmetric one's 1.1, so the clip zeroes exactly the units with A > 0 under the symmetric
+    clip and none under clip-higher."""
+    cfg = toy(tmp_path, "train.max_steps=1", "train.prompts_per_step=2", "train.micro_batch_size=8",
+              "grpo.clip_eps=0.1", f"grpo.clip_eps_high={'null' if clip_high is None else clip_high}")
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        rollout = trainer.policy.rollout(trainer.train_items[:2], [0, 1], cfg.train.group_size)
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    rollout.old_logp -= 0.25
+    rows = []
+    trainer.train_on_rollout(rollout, unit_adv, rows.append)
+    positive = (unit_adv > 0)[rollout.mask].double().mean().item()
+    assert rows[0]["ratio/mean"] == pytest.approx(math.exp(0.25), rel=1e-6) and 0 < positive < 1
+    assert rows[0]["clip_frac"] == pytest.approx(positive if clip_high is None else 0.0, abs=1e-12)
+
+
 def test_a_non_finite_gradient_skips_the_update_and_is_counted(tmp_path):
     trainer = Trainer(toy(tmp_path, "train.max_steps=3", "toy.nan_rollout=2", "train.save_every=2"))
     before_step_2 = {}
