@@ -13,9 +13,9 @@ class VLMModelConfig:
     """Which vision-language model, how it is loaded and what is trained."""
 
     path: str = "???"
-    """Hub id (e.g. Qwen/Qwen2.5-VL-7B-Instruct) or local transformers folder. ``tiny:qwen2_vl`` and
-    ``tiny:qwen2_5_vl`` build a tiny random model once, save it in the real format under ~/.cache/mmgrpo/tiny,
-    and load it from there through the same from_pretrained path. A PEFT adapter (a folder or hub id with
+    """Hub id (e.g. Qwen/Qwen2.5-VL-7B-Instruct) or local transformers folder. ``tiny:qwen2_vl``,
+    ``tiny:qwen2_5_vl`` and ``tiny:qwen3_vl`` build a tiny random model once, save it in the real format under
+    ~/.cache/mmgrpo/tiny, and load it from there through the same from_pretrained path. A PEFT adapter (a folder or hub id with
     adapter_config.json, e.g. a LoRA SFT, or the ``policy`` folder of an mmgrpo LoRA checkpoint) loads as its base
     model with the adapter merged in: training starts from it, and it is the reference for the KL (full fine-tuning
     only: a new LoRA's checkpoints would name the base without the merged adapter)."""
@@ -155,7 +155,9 @@ class VLMGenerationConfig:
     mask_truncated: bool = True
     """Leave truncated completions out of the loss."""
     eval_temperature: float = ranged(0.0, low=0)
-    """Sampling temperature of ``eval`` and ``sample`` (one completion per prompt); 0 decodes greedily."""
+    """Sampling temperature of ``eval`` and ``sample``; 0 decodes greedily. ``sample --per-prompt K`` (K > 1)
+    needs it above 0 (K greedy completions would be equal); above 0, the completions of ``--per-prompt`` or
+    ``--sample-seed`` each draw from a seed of their own, recorded in the samples' ``index.json``."""
     batch_rows: int = ranged(0, low=0)
     """Decode the groups of several prompts together, up to this many rows (a group is never split; evaluation
     groups are one row); 0 decodes one prompt's group at a time. It cuts the model calls per token, a large

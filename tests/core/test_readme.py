@@ -273,3 +273,25 @@ def test_each_pipeline_page_names_every_preset():
         if not p.name.startswith(("tiny_", "demo_")) and f"`configs/vlm/{p.name}`" not in gpu_table:
             missing.append(f"docs/vlm_models.md GPU recipes: {p.name}")
     assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("pipeline", ["flow", "vlm"])
+def test_model_path_help_names_every_tiny_kind(pipeline):
+    """`mmgrpo config` prints each key's docstring: model.path's names every `tiny:<kind>` the pipeline builds."""
+    import importlib
+
+    from mmgrpo.config import key_docs
+    from mmgrpo.registry import PIPELINES
+
+    kinds = importlib.import_module(f"mmgrpo.pipelines.{pipeline}.tiny").KINDS
+    text = key_docs(PIPELINES.get(pipeline).config_class)["model.path"]
+    assert [k for k in kinds if f"tiny:{k}" not in text] == []
+
+
+def test_vlm_eval_temperature_help_names_per_prompt_sampling():
+    """generation.eval_temperature's help is where a user looks up why `sample --per-prompt K` stops at 0."""
+    from mmgrpo.config import key_docs
+    from mmgrpo.registry import PIPELINES
+
+    text = key_docs(PIPELINES.get("vlm").config_class)["generation.eval_temperature"]
+    assert "--per-prompt" in text
