@@ -161,7 +161,8 @@ class FlowDataConfig:
     """Held-out prompts in the same formats; None uses the task's held-out split or the first training
     prompts."""
     num_eval: int = ranged(16, low=1)
-    """Held-out prompts used by in-loop evaluation."""
+    """Held-out prompts: in-loop evaluation, ``mmgrpo eval`` and ``mmgrpo sample`` (without ``--prompt``) use the
+    first this many of the held-out set."""
 
 
 @dataclass

@@ -61,7 +61,8 @@ class VLMDataConfig:
     root: str = "."
     """Folder that image and video paths are relative to."""
     num_eval: int = ranged(32, low=1)
-    """Held-out samples for evaluation when ``eval_file`` is None, and the cap on in-loop evaluation."""
+    """Held-out samples for evaluation when ``eval_file`` is None, and the cap on the held-out set in any case:
+    in-loop evaluation, ``mmgrpo eval`` and ``mmgrpo sample`` (without ``--prompt``) use its first this many."""
     prompt_template: str = ("{question}{options}\nThink about the question step by step inside <think> </think> "
                             "tags, then give only the final answer inside <answer> </answer> tags.{type_instruction}")
     """Prompt text; ``{question}`` is the problem, ``{options}`` the newline-joined options (or empty) and
