@@ -194,6 +194,23 @@ def test_adv_clip_bounds_the_advantages_after_batch_norm(tmp_path):
     assert [row["adv/abs_max"] for row in history] == [0.5, 0.5]
 
 
+def test_max_grad_norm_scales_the_gradient_down_to_it(tmp_path):
+    """With AdamW's eps far above the gradient, a first update is lr * g / (|g| + eps), about g for lr = eps = 1e4:
+    linear in g, so clipping to a quarter of the measured norm gives a quarter of the unclipped step. The logged
+    grad_norm is the norm before clipping."""
+    def first_step(run, max_norm):
+        trainer = Trainer(toy(tmp_path / run, "train.max_steps=1", "train.save_every=0", "optim.lr=1e4",
+                              "optim.eps=1e4", f"optim.max_grad_norm={max_norm}"))
+        before = trainer.policy.model.weight.detach().clone()
+        row = trainer.train()[0]
+        return trainer.policy.model.weight.detach() - before, row["grad_norm"]
+
+    free, norm = first_step("free", 0)
+    clipped, logged = first_step("clipped", norm / 4)
+    assert norm > 0 and logged == pytest.approx(norm, rel=1e-6)
+    torch.testing.assert_close(clipped, free / 4, rtol=1e-3, atol=1e-9)
+
+
 def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
     cfg = toy(tmp_path, "train.max_steps=4", "train.ema_decay=0.9", "optim.lr=0.1")
     trainer = Trainer(cfg)
