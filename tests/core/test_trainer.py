@@ -593,6 +593,23 @@ def test_clip_eps_high_is_the_upper_clip_of_the_trainers_loss(tmp_path, clip_hig
     assert rows[0]["clip_frac"] == pytest.approx(positive if clip_high is None else 0.0, abs=1e-12)
 
 
+def test_a_rollouts_unit_weights_scale_each_units_loss(tmp_path):
+    """A policy's per-unit loss weights (the flow pipeline's mode.timestep_weighting, TempFlow's noise-aware one)
+    multiply each unit's term: on policy (ratio 1) the first update's token-mean loss is -sum(w * A) / units."""
+    cfg = toy(tmp_path, "train.max_steps=1", "train.prompts_per_step=2", "train.micro_batch_size=4")
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        rollout = trainer.policy.rollout(trainer.train_items[:2], [0, 1], cfg.train.group_size)
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    rollout.unit_weight = 2 * torch.rand(rollout.old_logp.shape, generator=torch.Generator().manual_seed(0))
+    rows = []
+    trainer.train_on_rollout(rollout, unit_adv, rows.append)
+    expected = (-(rollout.unit_weight * unit_adv)[rollout.mask].sum() / rollout.mask.sum()).item()
+    assert abs(expected) > 1e-3 and rows[0]["ratio/max_dev"] == 0
+    assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_a_non_finite_gradient_skips_the_update_and_is_counted(tmp_path):
     trainer = Trainer(toy(tmp_path, "train.max_steps=3", "toy.nan_rollout=2", "train.save_every=2"))
     before_step_2 = {}
