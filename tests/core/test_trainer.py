@@ -26,6 +26,7 @@ from mmgrpo.checkpoint import checkpoint_dirs
 from mmgrpo.cli import _policy_and_weights
 from mmgrpo.config import ConfigError, load_config
 from mmgrpo.errors import RunError
+from mmgrpo.grpo import combine_rewards, kl_estimate
 from mmgrpo.policy import (
     check_even_eval_split,
     frozen_copy,
@@ -608,6 +609,49 @@ def test_a_rollouts_unit_weights_scale_each_units_loss(tmp_path):
     expected = (-(rollout.unit_weight * unit_adv)[rollout.mask].sum() / rollout.mask.sum()).item()
     assert abs(expected) > 1e-3 and rows[0]["ratio/max_dev"] == 0
     assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_kl_term_is_kl_beta_times_the_mean_kl_of_the_trained_units(tmp_path):
+    """A reference moved away from the policy: the first update is on policy (ratio 1), so its token-mean loss is
+    -mean(A) + kl_beta * mean(k3), and the logged kl is the mean k3 over the trained units."""
+    cfg = toy(tmp_path, "train.max_steps=1", "train.prompts_per_step=2", "train.micro_batch_size=4",
+              "grpo.kl_beta=0.5", "grpo.kl_estimator=k3")
+    trainer = Trainer(cfg)
+    policy = trainer.policy
+    with torch.no_grad():
+        policy.reference.weight.add_(torch.randn(policy.reference.weight.shape,
+                                                 generator=torch.Generator().manual_seed(0)))
+        rollout = policy.rollout(trainer.train_items[:2], [0, 1], cfg.train.group_size)
+        index, tokens = rollout.data["index"], rollout.data["tokens"]
+        k3 = kl_estimate(policy._token_logp(policy.model, index, tokens),
+                         policy._token_logp(policy.reference, index, tokens), "k3")
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    rows = []
+    trainer.train_on_rollout(rollout, unit_adv, rows.append)
+    kl = k3[rollout.mask].mean().item()
+    assert kl > 0.01 and rows[0]["kl"] == pytest.approx(kl, rel=1e-5)
+    expected = -unit_adv[rollout.mask].mean().item() + 0.5 * kl
+    assert rows[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["weighted_sum", "gdpo"])
+def test_reward_aggregation_decides_the_trainers_advantages(tmp_path, aggregation):
+    """The trainer's advantages are combine_rewards of the batch's rewards under the configured reward_aggregation,
+    and on these rewards the two aggregations give different advantages."""
+    (tmp_path / "first_zero.py").write_text(
+        "def fn(batch):\n    return [float(text.split()[0] == '0') for text in batch.completions]\n")
+    cfg = toy(tmp_path / "run", "train.prompts_per_step=4", f"reward_aggregation={aggregation}",
+              f"rewards=[{{name: toy_bandit:match_reward}}, {{name: '{tmp_path}/first_zero.py:fn', weight: 0.5}}]")
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        rollout = trainer.policy.rollout(trainer.train_items[:4], [0, 1, 2, 3], cfg.train.group_size)
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    expected = {how: combine_rewards(main, [1.0, 0.5], rollout.group, how, "group_zscore", cfg.grpo.adv_eps)
+                for how in ("weighted_sum", "gdpo")}
+    assert (expected["weighted_sum"] - expected["gdpo"]).abs().max() > 0.1
+    torch.testing.assert_close(unit_adv, expected[aggregation].float()[:, None].expand_as(unit_adv))
 
 
 def test_a_non_finite_gradient_skips_the_update_and_is_counted(tmp_path):
