@@ -654,6 +654,26 @@ def test_reward_aggregation_decides_the_trainers_advantages(tmp_path, aggregatio
     torch.testing.assert_close(unit_adv, expected[aggregation].float()[:, None].expand_as(unit_adv))
 
 
+def test_a_standardized_reward_is_z_scored_over_the_batch_before_the_weighted_sum(tmp_path):
+    """A reward whose spec sets standardize enters the weighted sum as its z-score over the whole batch, which
+    changes its weight against the other reward, so the advantages differ from those of the raw scores."""
+    (tmp_path / "first_zero.py").write_text(
+        "def fn(batch):\n    return [3.0 * (text.split()[0] == '0') for text in batch.completions]\n")
+    second = f"{{name: '{tmp_path}/first_zero.py:fn', weight: 0.5, args: {{standardize: true}}}}"
+    cfg = toy(tmp_path / "run", "train.prompts_per_step=4", f"rewards=[{{name: toy_bandit:match_reward}}, {second}]")
+    trainer = Trainer(cfg)
+    with torch.no_grad():
+        rollout = trainer.policy.rollout(trainer.train_items[:4], [0, 1, 2, 3], cfg.train.group_size)
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    z = main.clone()
+    z[:, 1] = (main[:, 1] - main[:, 1].mean()) / main[:, 1].std(unbiased=False)
+    expected, raw = (combine_rewards(r, [1.0, 0.5], rollout.group, "weighted_sum", "group_zscore", cfg.grpo.adv_eps)
+                     for r in (z, main))
+    assert (expected - raw).abs().max() > 0.1
+    torch.testing.assert_close(unit_adv, expected.float()[:, None].expand_as(unit_adv))
+
+
 def test_a_non_finite_gradient_skips_the_update_and_is_counted(tmp_path):
     trainer = Trainer(toy(tmp_path, "train.max_steps=3", "toy.nan_rollout=2", "train.save_every=2"))
     before_step_2 = {}
