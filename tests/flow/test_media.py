@@ -30,12 +30,14 @@ def test_image_grid_upscales_small_tiles_and_adds_captions():
 
 
 def test_frames_grid_has_one_row_per_video_and_evenly_spaced_frames():
-    videos = torch.zeros(2, 9, 3, 8, 8)
-    videos[:, 8] = 1.0  # the last frame is white
+    level = torch.arange(9.0) / 8  # frame t of video 0 has grey level t / 8, video 1 half that
+    videos = (level.view(1, 9, 1, 1, 1) * torch.tensor([1.0, 0.5]).view(2, 1, 1, 1, 1)).expand(2, 9, 3, 8, 8)
     grid = media.frames_grid(videos, ["first", "second"], max_frames=3)
     strip = 4 + 11 * media.CAPTION_LINES
     assert grid.size == (3 * 128, 2 * (128 + strip))
-    assert grid.getpixel((2 * 128 + 5, 5)) == (255, 255, 255) and grid.getpixel((128 + 5, 5)) == (0, 0, 0)
+    # frames 0, 4 and 8 of 9: levels 0, 1/2, 1 in the first row and 0, 1/4, 1/2 in the second
+    tiles = [[grid.getpixel((c * 128 + 64, r * (128 + strip) + 64))[0] for c in range(3)] for r in range(2)]
+    assert tiles == [[0, 128, 255], [0, 64, 128]]
 
 
 def test_tile_videos_places_samples_and_pads_to_even_sizes():
