@@ -66,7 +66,7 @@ def test_heldout_accuracy_is_clearly_capable_but_imperfect(pipe):
     images = generate(pipe, [s["prompt"] for s in specs], seed=1)
     batch = RewardBatch(prompts=[s["prompt"] for s in specs], group=torch.arange(16), images=images, meta=specs)
     correct = int(REWARDS.build("shapes_eval")(batch)["score"].sum())
-    assert 1 <= correct <= 15
+    assert 4 <= correct <= 12  # docs/tasks.md: 0.44 held-out at 10 steps, CFG 4.5 (this seed: 6 of 16)
 
 
 def test_places_relation_objects_in_the_prompted_order(pipe):
