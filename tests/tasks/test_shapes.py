@@ -72,11 +72,10 @@ def test_render_draws_the_scene():
     image = shapes.draw(scene)
     assert image.shape == (3, 64, 64) and image.dtype == np.float32 and 0 <= image.min() and image.max() <= 1
     square, circle = scene
-    # pixel area of each colour matches the geometry (antialiased edges integrate exactly)
-    blue = image[2] * (image[0] < 0.5)
-    yellow = image[0] * (image[1] > 0.5)
-    assert blue.sum() == pytest.approx((square["size"] * 64) ** 2, rel=0.08)
-    assert yellow.sum() == pytest.approx(np.pi / 4 * (circle["size"] * 64) ** 2, rel=0.08)
+    # pixel area of each colour matches the geometry: on black, the blue channel is the square's coverage and the
+    # red one the circle's, antialiased edges included (within 1.4% over seeds 0-7; a size 2% off is 4% of area)
+    assert image[2].sum() == pytest.approx((square["size"] * 64) ** 2, rel=0.025)
+    assert image[0].sum() == pytest.approx(np.pi / 4 * (circle["size"] * 64) ** 2, rel=0.025)
     assert image[:, image.sum(0) == 0].size > 0.7 * image.size  # the rest is the black background
     assert image[2, :, : int(square["x"] * 64)].sum() > 0 and COLOURS["blue"] == (0.0, 0.0, 1.0)
 
