@@ -182,6 +182,22 @@ def test_bfloat16_model_gives_fp32_logprobs():
     assert torch.isfinite(std).all() and (std - grouped).abs().max() < 0.1  # bf16 rounding only
 
 
+def test_the_log_softmax_of_bf16_logits_is_taken_in_fp32():
+    """A bf16 model's logits are upcast before the log-softmax, under autocast too: the log-probs are the fp32
+    log-softmax of those very values, not a bf16 one cast afterwards, which is off by up to ~0.03 here (bf16 keeps
+    8 bits of a log-prob near -10), enough to move a ratio clip of 1e-4."""
+    logits = (3 * torch.randn(2, 5, 4096, generator=seeded(0))).to(torch.bfloat16)
+    targets = torch.randint(0, 4096, (2, 5), generator=seeded(1))
+    expected = logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    in_bf16 = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0].float()
+    assert (in_bf16 - expected).abs().max() > 1e-3
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = logprobs.gather_logprobs(logits, targets)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+
+
 def test_bench_cell_runs_and_agrees(monkeypatch):
     monkeypatch.setattr(bench, "REPEATS", 1)
     vlm = VLMModel(VLMModelConfig(path="tiny:qwen2_vl"))
