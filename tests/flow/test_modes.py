@@ -308,6 +308,19 @@ def test_branch_log_prob_uses_the_std_it_sampled_with(branch_policy, branch_roll
     assert abs(z.std().item() - 1) < 0.05 and abs(z.mean().item()) < 0.05
 
 
+def test_branch_unit_advantages_are_clipped_to_adv_clip(branch_policy, branch_rollout, monkeypatch):
+    """grpo.adv_clip bounds the tree's depth-wise advantages too: prompt 0's depth-1 z-scores -1 | +1 and leaf
+    z-scores (-3.5, -1.5, 0.5, 4.5) / sqrt(35 / 4) become -0.5 | 0.5 and (-0.5, -0.5, 0.169, 0.5) at a clip of 0.5."""
+    rollout, _ = branch_rollout
+    rollout = dataclasses.replace(rollout, mask=rollout.mask.clone(), data=dict(rollout.data))
+    monkeypatch.setattr(branch_policy.cfg.grpo, "adv_clip", 0.5)
+    rewards = torch.tensor([1.0, 3.0, 5.0, 9.0, 0.0, 0.0, 2.0, 2.0])
+    adv = branch_policy.unit_advantages(rollout, torch.zeros(8), rewards)
+    torch.testing.assert_close(adv[:4, 0], torch.tensor([-0.5, -0.5, 0.5, 0.5]), atol=1e-4, rtol=0)
+    leaf = torch.tensor([-0.5, -0.5, 0.5 / math.sqrt(35 / 4), 0.5])
+    torch.testing.assert_close(adv[:4, 2], leaf, atol=1e-4, rtol=0)
+
+
 def test_branch_unit_advantages_are_depthwise_and_width_pruned(branch_policy, branch_rollout):
     rollout, _ = branch_rollout
     rollout = dataclasses.replace(rollout, mask=rollout.mask.clone(), data=dict(rollout.data))
