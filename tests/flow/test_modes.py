@@ -321,6 +321,19 @@ def test_branch_unit_advantages_are_clipped_to_adv_clip(branch_policy, branch_ro
     torch.testing.assert_close(adv[:4, 2], leaf, atol=1e-4, rtol=0)
 
 
+def test_a_nan_leaf_reward_takes_its_prompts_mean_in_the_tree(branch_policy, branch_rollout):
+    """A leaf reward that does not apply (NaN) backs up as the mean of its prompt's other leaves: prompt 0's leaves
+    1, NaN, 5, 9 are 1, 5, 5, 9 (depth 1: 3 | 7, z-scores -1 | +1; leaves z = (-4, 0, 0, 4) / sqrt(8)); a prompt
+    whose leaves are all NaN gets advantage 0 everywhere."""
+    rollout, _ = branch_rollout
+    rollout = dataclasses.replace(rollout, mask=rollout.mask.clone(), data=dict(rollout.data))
+    rewards = torch.tensor([1.0, math.nan, 5.0, 9.0] + [math.nan] * 4)
+    adv = branch_policy.unit_advantages(rollout, torch.zeros(8), rewards)
+    torch.testing.assert_close(adv[:4, 0], torch.tensor([-1.0, -1.0, 1.0, 1.0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(adv[:4, 2], torch.tensor([-1.0, 0.0, 0.0, 1.0]) * math.sqrt(2), atol=1e-4, rtol=0)
+    assert adv[4:].abs().max() == 0
+
+
 def test_branch_unit_advantages_are_depthwise_and_width_pruned(branch_policy, branch_rollout):
     rollout, _ = branch_rollout
     rollout = dataclasses.replace(rollout, mask=rollout.mask.clone(), data=dict(rollout.data))
