@@ -2,7 +2,9 @@
 
 - ``row``: the logged row of one training step of the toy bandit with a zero-weight reward that applies to half of
   rank 0's samples (score 0) and to all of rank 1's (score 1), with a sub-score that only rank 1 reports.
-- ``steps``: per rank, the metrics of two off-policy updates (two inner epochs) in which rank 0 trains no unit.
+- ``steps``: per rank, the metrics of two updates (two inner epochs, the second off-policy) in which rank 0 trains no
+  unit and rank 1 all but the last two of its first row.
+- ``whole_loss``: the on-policy loss of those updates' whole batch (both ranks' rows) on one process.
 - ``max_dev``: ``reduce_metrics`` of a max_dev that rank 0 could not measure (NaN) and rank 1 measured as 0.5.
 
 Usage: ddp_metrics.py OUT.json RUN_DIR
@@ -29,6 +31,7 @@ if __name__ == "__main__":
     from toy_bandit import ToyConfig, ToyPolicy
 
     from mmgrpo.config import load_config
+    from mmgrpo.grpo import aggregation_weights
     from mmgrpo.trainer import Trainer
 
     out_path, run_dir = sys.argv[1], sys.argv[2]
@@ -46,6 +49,7 @@ if __name__ == "__main__":
         def rollout(self, items, group_ids, group_size):
             out = super().rollout(items, group_ids, group_size)
             out.mask[:] = acc.process_index == 1
+            out.mask[0, 1:] = False  # uneven rows: a whole group's advantages no longer cancel in the token mean
             return out
 
     cfg = load_config(None, [f"output_dir={run_dir}-second", "train.prompts_per_step=2", "train.group_size=4",
@@ -57,11 +61,15 @@ if __name__ == "__main__":
         rollout = second.policy.rollout([second.train_items[i] for i in items_idx], group_ids, 4)
     main, _, _ = second.rewards(rollout.reward_batch)
     unit_adv, _ = second.compute_advantages(rollout, main)
+    all_mask = acc.gather(rollout.mask.float()).cpu().bool()
+    all_adv = acc.gather(unit_adv.contiguous()).cpu()
+    whole_loss = (aggregation_weights(all_mask, cfg.grpo.loss_aggregation) * -all_adv).sum().item()  # ratio 1
     steps = []
     second.train_on_rollout(rollout, unit_adv, steps.append)
     steps = gather_object([steps])
     max_dev = second.reduce_metrics({"ratio/onpolicy_max_dev": 0.5 if acc.process_index else math.nan})
     if acc.is_main_process:
         with open(out_path, "w") as f:
-            json.dump({"row": history[-1], "steps": steps, "max_dev": max_dev["ratio/onpolicy_max_dev"]}, f)
+            json.dump({"row": history[-1], "steps": steps, "whole_loss": whole_loss,
+                       "max_dev": max_dev["ratio/onpolicy_max_dev"]}, f)
     second.close()

@@ -858,7 +858,7 @@ def test_logged_means_are_over_the_samples_and_units_of_every_process(tmp_path, 
     """reward/<name>/mean, ratio/mean and clip_frac were each process's mean averaged over processes: a reward's
     mean was NaN (null) as soon as one process had no sample it applies to, a process with fewer samples or trained
     tokens weighed as much as the others, and one with none counted as ratio 1 and clip_frac 0; the nan_frac was
-    averaged over the processes that had a NaN only."""
+    averaged over the processes that had a NaN only. The update itself is the whole batch's mean."""
     out = tmp_path / "out.json"
     config = SUPPORT.parents[1] / "configs" / "accelerate" / "cpu_2proc.yaml"
     env = {**support_env, "PYTHONPATH": f"{Path(__file__).parent}:{support_env['PYTHONPATH']}", "OMP_NUM_THREADS": "1"}
@@ -877,6 +877,10 @@ def test_logged_means_are_over_the_samples_and_units_of_every_process(tmp_path, 
     assert rank1[1]["ratio/mean"] != 1.0 and rank1[1]["clip_frac"] > 0  # the second epoch is off-policy
     for key in ("ratio/mean", "clip_frac", "kl"):
         assert [m[key] for m in rank0] == [m[key] for m in rank1], key
+    # the processes' losses, whose gradients DDP averages, average to the whole batch's loss on one process (each
+    # divides by the mean unit count over the processes, not by its own: rank 1's alone would halve the step)
+    assert abs(result["whole_loss"]) > 1e-3
+    assert (rank0[0]["loss"] + rank1[0]["loss"]) / 2 == pytest.approx(result["whole_loss"], rel=1e-6)
     assert result["max_dev"] == 0.5  # a process that measured nothing (NaN) does not hide the others' maximum
 
 
