@@ -190,7 +190,8 @@ def test_rollout_scores_answers_under_the_reference_and_the_reference_follows_ev
         rollout = policy.rollout(items, [0, 1], 3)
     meta = rollout.reward_batch.meta
     like = torch.tensor([m[LIKELIHOOD_KEY] for m in meta], dtype=torch.float64)
-    # the reference starts as the policy: the likelihood is the policy's own, from the training forward
+    # the reference starts as the policy: the likelihood is the policy's own, from the training forward (NaN for
+    # every answerless completion of the random model; the values are checked by the test below)
     with torch.no_grad():
         logp = policy.log_probs(rollout, torch.arange(len(rollout)), None, with_kl=False).logp
     answer = care.answer_token_mask(policy.vlm.tokenizer, rollout.data["ids"], rollout.data["mask"])
@@ -212,6 +213,31 @@ def test_rollout_scores_answers_under_the_reference_and_the_reference_follows_ev
     with torch.no_grad():
         policy.rollout(items, [0, 1], 3)
     assert torch.equal(param, before)
+
+
+def test_answer_likelihoods_are_the_references_not_the_policys(tmp_path):
+    """The random model's completions hold no answer block, so the rollout's likelihoods above are all NaN and agree
+    with any scorer; these completions answer. Scored once while the reference is the policy, they score the same
+    after the policy moved (the reference did not), and not what the moved policy gives them."""
+    policy = VLMPolicy(care_config(tmp_path))
+    with torch.no_grad():
+        rollout = policy.rollout(policy.train_items[:2], [0, 1], 3)
+    texts = ["<think>a b</think><answer>A</answer>", "<answer>B</answer>", "no answer",
+             "<think>c</think><answer>two</answer>", "<answer>C. red</answer>", "<think></think><answer>D</answer>"]
+    ids, mask = encode(policy.vlm.tokenizer, texts)
+    data = {**rollout.data, "ids": ids, "mask": mask}
+    before = policy._answer_likelihoods(data)
+    assert before.isnan().tolist() == [False, False, True, False, False, False]
+    trainable = [p for p in policy.model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for i, p in enumerate(trainable):
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+        own = torch.cat([policy._logprobs(policy.unwrapped_model(), data, rows)[0]
+                         for rows in torch.arange(len(texts)).split(policy.cfg.train.micro_batch_size)])
+    moved = care.answer_likelihood(own, care.answer_token_mask(policy.vlm.tokenizer, ids, mask)).double()
+    found = ~before.isnan()
+    torch.testing.assert_close(policy._answer_likelihoods(data), before, equal_nan=True, rtol=0, atol=1e-6)
+    assert (moved - before)[found].abs().min() > 1e-4
 
 
 def test_training_is_on_policy_and_a_resume_restores_the_reference(tmp_path):
