@@ -230,6 +230,23 @@ def test_ema_weights_are_saved_and_differ_from_raw(tmp_path):
     torch.testing.assert_close(loaded.model.weight.detach(), ema["weight"])
 
 
+def test_in_loop_evaluation_scores_the_ema_weights(tmp_path):
+    """With train.ema_decay, the run's evaluation scores the averaged weights (as eval and sample do): what the
+    policy generates with the EMA swapped in by hand, not what the raw weights generate, which differs here."""
+    trainer = Trainer(toy(tmp_path, "train.max_steps=4", "train.ema_decay=0.9", "optim.lr=0.5", "train.save_every=0"))
+    trainer.train()
+    key = "toy_bandit:match_reward"
+
+    def score() -> float:
+        _, logged, _ = trainer.rewards(trainer.policy.generate(trainer.eval_items), only=[key])
+        return logged[key].mean().item()
+
+    raw = score()
+    with trainer.ema.swapped_in():
+        averaged = score()
+    assert averaged != raw and trainer.evaluate()[f"eval/{key}/mean"] == averaged
+
+
 def test_an_ema_turned_on_at_a_resume_starts_from_the_restored_weights(tmp_path):
     """train.ema_decay may change on resume, but a checkpoint of a run without EMA has no ema.safetensors: the
     resume failed with 'checkpoint cannot be read', pointing at a sound checkpoint."""
