@@ -241,9 +241,10 @@ def test_color_fraction_counts_pixels_within_tolerance():
     image[0, 0, 0, :] = 1.0  # 4 pure red pixels
     image[0, 0, 1, :2] = 0.9  # 2 pixels at distance 0.1: counted
     image[0, 0, 1, 2:] = 0.7  # 2 pixels at distance 0.3: not counted
+    image[0, :2, 2, :2] = torch.tensor([0.85, 0.15])[:, None]  # 2 pixels 0.15 off in two channels: 0.212 away
     assert score("color_fraction", image, rgb=[255, 0, 0]).tolist() == [6 / 16]
-    assert score("color_fraction", image, rgb=[255, 0, 0], tolerance=0.35).tolist() == [8 / 16]
-    assert score("color_fraction", image, rgb=[0, 0, 0]).tolist() == [8 / 16]
+    assert score("color_fraction", image, rgb=[255, 0, 0], tolerance=0.35).tolist() == [10 / 16]
+    assert score("color_fraction", image, rgb=[0, 0, 0]).tolist() == [6 / 16]
 
 
 def test_color_fraction_target_per_sample():

@@ -304,6 +304,12 @@ def test_frame_consistency_formulas_against_their_closed_forms():
     static = torch.ones(2, 4, 8)
     for formula in ("adjacent", "vbench"):
         torch.testing.assert_close(frame_consistency(static, formula), torch.ones(2))
+    # angles 0, 60, 180: adjacent cosines 1/2 and -1/2 (mean 0); VBench clamps both terms of frame 2 to 0, so its
+    # mean is ((1/2 + 1/2) / 2 + 0) / 2
+    angles = torch.tensor([0.0, 60.0, 180.0]).deg2rad()
+    turning = torch.stack([angles.cos(), angles.sin()], -1)[None]
+    torch.testing.assert_close(frame_consistency(turning, "adjacent"), torch.tensor([0.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(frame_consistency(turning, "vbench"), torch.tensor([0.25]))
 
 
 def test_temporal_consistency_vbench_formula_through_the_reward(tiny_models):

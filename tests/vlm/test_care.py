@@ -44,8 +44,10 @@ def test_partial_credit_needs_the_group_mean_and_the_threshold():
     acc = torch.tensor([0.6, 0.2, 0.05, 0.6])
     bonus = consistency_bonus(acc, torch.tensor([0.5, 0.9, 0.9, 0.5]), one_group(4))
     assert bonus.tolist() == pytest.approx([0.6, 0.0, 0.0, 0.6])
-    # every rollout at 0.05: the mean is met but the threshold is not
+    # every rollout at 0.05: the mean is met but the threshold is not; at 0.1 it is not exceeded either
     assert consistency_bonus(torch.full((3,), 0.05), torch.full((3,), 0.9), one_group(3)).tolist() == [0.0] * 3
+    at_threshold = torch.full((3,), 0.1, dtype=torch.float64)  # float32's 0.1 is above 0.1
+    assert consistency_bonus(at_threshold, torch.full((3,), 0.9), one_group(3)).tolist() == [0.0] * 3
 
 
 @pytest.mark.parametrize("n", [3, 5, 6, 7, 12])
