@@ -357,6 +357,20 @@ def test_generate_is_deterministic_per_item(adapter, tmp_path):
     assert (a.images[0] - a.images[1]).abs().max() > 0.01
 
 
+def test_generate_is_the_stock_pipeline_at_the_eval_steps_and_guidance(adapter, tmp_path):
+    """Evaluation samples (eval, sample, the demo's before and after) are the stock pipeline's images for the
+    sample's seed, at sampling.eval_num_steps (3 here, 4 in training) and the run's guidance and negative prompt."""
+    cfg = config("tiny_flowgrpo", tmp_path, "sampling.negative_prompt=blurry")
+    out = FlowPolicy(cfg, adapter=adapter).generate(ITEMS[:1])
+    s = cfg.sampling
+    assert s.eval_num_steps != s.num_steps and s.guidance_scale > 1
+    stock = adapter.pipe(prompt=ITEMS[0]["prompt"], negative_prompt=s.negative_prompt, height=s.height,
+                         width=s.width, num_inference_steps=s.eval_num_steps, guidance_scale=s.guidance_scale,
+                         max_sequence_length=adapter.max_sequence_length, output_type="pt", return_dict=False,
+                         generator=torch.Generator().manual_seed(out.meta[0]["seed"]))[0]
+    torch.testing.assert_close(out.images, stock, rtol=1e-4, atol=1e-4)
+
+
 def test_generate_per_prompt_draws_k_seeded_samples_that_regenerate_alone(adapter, tmp_path):
     """``mmgrpo sample --per-prompt K``: K samples per item, grouped, each from its own noise seed; sample 0 is the
     one-per-item sample, and a sample's recorded seed, given as an item's ``seed``, regenerates it alone."""
