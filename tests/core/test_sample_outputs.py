@@ -46,6 +46,11 @@ def index_of(folder: Path) -> list[dict]:
     return index["samples"]
 
 
+SAME_IMAGE = 1
+"""A sample regenerated alone is its batch's image up to float rounding (about 1e-4: matmuls depend on the batch
+size, test_generate_is_deterministic_per_item), which may move a pixel across a uint8 rounding boundary."""
+
+
 def grid_tile(grid: Image.Image, i: int, n: int, size: tuple[int, int]) -> Image.Image:
     """Tile ``i`` of an n-sample captioned grid of ``size`` images, scaled back to ``size``."""
     factor = max(1, math.ceil(media.MIN_TILE / min(size)))
@@ -81,7 +86,7 @@ def test_flow_sample_writes_each_image_and_an_index(tmp_path, monkeypatch):
     (again,) = index_of(samples / "sample-base-2")
     assert again["seed"] == records[1]["seed"] and (again["prompt_index"], again["sample_index"]) == (0, 0)
     with Image.open(samples / "sample-base-2" / again["file"]) as a, Image.open(folder / records[1]["file"]) as b:
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max() <= SAME_IMAGE
 
 
 def test_video_sample_writes_each_clip(tmp_path, monkeypatch):
@@ -179,7 +184,8 @@ def test_flow_sample_per_prompt_writes_k_seeded_images_and_a_seed_regenerates_on
     assert main(["sample", *args, "--prompt", records[2]["prompt"], "--sample-seed", str(records[2]["seed"])]) == 0
     (again,) = index_of(tmp_path / "samples" / "sample-base-2")
     assert again["seed"] == records[2]["seed"]
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "samples" / "sample-base-2" / again["file"])), pixels[2])
+    regenerated = np.asarray(Image.open(tmp_path / "samples" / "sample-base-2" / again["file"])).astype(int)
+    assert np.abs(regenerated - pixels[2]).max() <= SAME_IMAGE
 
 
 def test_vlm_sample_per_prompt_needs_a_sampling_temperature_and_records_seeds(tmp_path, capsys):
