@@ -572,16 +572,22 @@ def test_recomputed_old_logp_reports_its_distance_from_the_rollout(tmp_path, upd
         assert rows[1]["ratio/max_dev"] > 1e-4
 
 
+def first_two_groups(trainer):
+    """(rollout, unit advantages) of the first two training prompts' groups, as an iteration computes them."""
+    with torch.no_grad():
+        rollout = trainer.policy.rollout(trainer.train_items[:2], [0, 1], trainer.cfg.train.group_size)
+    main, _, _ = trainer.rewards(rollout.reward_batch)
+    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    return rollout, unit_adv
+
+
 def test_onpolicy_check_reads_masked_samples_too(tmp_path):
     """``ratio/onpolicy_max_dev`` checks the log-probs of every valid unit of the first update, including samples
     the loss leaves out (zero-variance groups under dynamic sampling): here the masked group's rollout log-probs
     are off by 0.25, and the check sees it, |exp(-0.25) - 1|."""
     cfg = toy(tmp_path, "train.max_steps=1", "train.prompts_per_step=2", "train.micro_batch_size=4")
     trainer = Trainer(cfg)
-    with torch.no_grad():
-        rollout = trainer.policy.rollout(trainer.train_items[:2], [0, 1], cfg.train.group_size)
-    main, _, _ = trainer.rewards(rollout.reward_batch)
-    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    rollout, unit_adv = first_two_groups(trainer)
     masked = torch.arange(len(rollout)) < cfg.train.group_size
     rollout.sample_mask = rollout.sample_mask & ~masked
     rollout.old_logp[masked] += 0.25
@@ -599,10 +605,7 @@ def test_clip_eps_high_is_the_upper_clip_of_the_trainers_loss(tmp_path, clip_hig
     cfg = toy(tmp_path, "train.max_steps=1", "train.prompts_per_step=2", "train.micro_batch_size=8",
               "grpo.clip_eps=0.1", f"grpo.clip_eps_high={'null' if clip_high is None else clip_high}")
     trainer = Trainer(cfg)
-    with torch.no_grad():
-        rollout = trainer.policy.rollout(trainer.train_items[:2], [0, 1], cfg.train.group_size)
-    main, _, _ = trainer.rewards(rollout.reward_batch)
-    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    rollout, unit_adv = first_two_groups(trainer)
     rollout.old_logp -= 0.25
     rows = []
     trainer.train_on_rollout(rollout, unit_adv, rows.append)
@@ -616,10 +619,7 @@ def test_a_rollouts_unit_weights_scale_each_units_loss(tmp_path):
     multiply each unit's term: on policy (ratio 1) the first update's token-mean loss is -sum(w * A) / units."""
     cfg = toy(tmp_path, "train.max_steps=1", "train.prompts_per_step=2", "train.micro_batch_size=4")
     trainer = Trainer(cfg)
-    with torch.no_grad():
-        rollout = trainer.policy.rollout(trainer.train_items[:2], [0, 1], cfg.train.group_size)
-    main, _, _ = trainer.rewards(rollout.reward_batch)
-    unit_adv, _ = trainer.compute_advantages(rollout, main)
+    rollout, unit_adv = first_two_groups(trainer)
     rollout.unit_weight = 2 * torch.rand(rollout.old_logp.shape, generator=torch.Generator().manual_seed(0))
     rows = []
     trainer.train_on_rollout(rollout, unit_adv, rows.append)
