@@ -72,8 +72,9 @@ def input_dtype(model: nn.Module, configured: torch.dtype) -> torch.dtype:
     """The dtype a forward of ``model`` takes its inputs in: ``configured`` (the adapter's :attr:`dtype`) while
     some floating weight of ``model`` is in it (a bf16 base may hold fp32 LoRA weights and fp32 norms); that of
     its first weight once none is, as after DeepSpeed's bf16 or fp16 cast every weight it trains."""
-    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    return configured if configured in dtypes or not dtypes else dtypes[0]
+    dtypes = (p.dtype for p in model.parameters() if p.is_floating_point())
+    first = next(dtypes, configured)
+    return configured if first == configured or configured in dtypes else first
 
 
 def check_autocast(model_dtype: str, autocast: torch.dtype | None) -> None:
@@ -533,7 +534,7 @@ class FlowAdapter:
         model = self.transformer if transformer is None else transformer
         both = {k: torch.cat([embeds.cond[k], embeds.uncond[k]]) for k in embeds.cond}
         v_cond, v_uncond = self._run(model, x.repeat(2, *[1] * (x.dim() - 1)), t.repeat(2), both,
-                                         guidance_scale).float().chunk(2)
+                                     guidance_scale).float().chunk(2)
         return v_cond, v_uncond
 
     def velocity(self, latents: Tensor, sigma: Tensor, embeds: PromptEmbeds, guidance_scale: float,
